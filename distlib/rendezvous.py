@@ -1,0 +1,187 @@
+"""Init methods: a URL (``env://``, ``tcp://``, ``file://``) → ``(store, rank, world_size)``.
+
+The same entry points and error texts as torch 2.13 (../shared/spec/c10d-rendezvous.md
+§1–2): ``rendezvous(url, rank=-1, world_size=-1, **kwargs)`` returns a generator whose first
+``next()`` yields the triple and whose second raises; ``register_rendezvous_handler(scheme,
+handler)`` adds a scheme. Handler errors are ``ValueError("Error initializing
+torch.distributed using <scheme>:// rendezvous: <detail>")``, naming the missing variable or
+parameter. Rank 0 hosts the TCPStore server for env:// and tcp://, as in torch.
+
+**External master service** (distlib's addition, for a standing ``distlib store-server``):
+when ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch's variable, exact string as torch reads
+it), or ``DISTLIB_EXTERNAL_STORE=1``, or the URL has ``external_store=1``, no rank hosts a
+server: every rank, rank 0 included, is a client of ``MASTER_ADDR:MASTER_PORT`` (env://)
+or the URL's host:port (tcp://). If ``TORCHELASTIC_RUN_ID`` or ``DISTLIB_RUN_ID`` is set,
+the store handed back is ``PrefixStore("distlib/run/<id>", store)``, so that jobs sharing
+one master service never see each other's keys.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from datetime import timedelta
+from typing import Callable, Dict, Iterator, Tuple
+from urllib.parse import urlparse, urlunparse
+
+from .store.base import Store
+from .store.prefix import PrefixStore
+
+#: torch.distributed.default_pg_timeout: 30 minutes.
+default_pg_timeout = timedelta(minutes=30)
+
+RendezvousResult = Tuple[Store, int, int]
+Handler = Callable[..., Iterator[RendezvousResult]]
+
+_handlers: Dict[str, Handler] = {}
+
+
+def register_rendezvous_handler(scheme: str, handler: Handler) -> None:
+    """Register a generator function ``handler(url, **kwargs)`` for ``scheme://`` URLs."""
+    if scheme in _handlers:
+        raise RuntimeError(f"Rendezvous handler for {scheme}:// already registered")
+    _handlers[scheme] = handler
+
+
+def rendezvous(url, rank: int = -1, world_size: int = -1, **kwargs) -> Iterator[RendezvousResult]:
+    """Return the generator of ``(store, rank, world_size)`` for ``url`` (see module doc)."""
+    if not isinstance(url, (str, bytes)):
+        raise RuntimeError(f"`url` must be a string. {type(url)}: {url}")
+    if not isinstance(rank, numbers.Integral):
+        raise RuntimeError(f"`rank` must be an integer. {rank}")
+    if not isinstance(world_size, numbers.Integral):
+        raise RuntimeError(f"`world_size` must be an integer. {world_size}")
+    if isinstance(url, bytes):
+        url = url.decode("utf-8")
+    return _rendezvous_helper(url, int(rank), int(world_size), **kwargs)
+
+
+def _rendezvous_helper(url: str, rank: int, world_size: int, **kwargs) -> Iterator[RendezvousResult]:
+    result = urlparse(url)
+    if rank != -1 or world_size != -1:
+        query = _query_to_dict(result.query)
+        if "rank" in query or "world_size" in query:
+            raise AssertionError(f"The url: {url} has node-specific arguments(rank, world_size) already.")
+        if rank != -1:
+            query["rank"] = str(rank)
+        if world_size != -1:
+            query["world_size"] = str(world_size)
+        result = result._replace(query="&".join(f"{k}={v}" for k, v in query.items()))
+        url = urlunparse(result)
+    if result.scheme not in _handlers:
+        raise RuntimeError(f"No rendezvous handler for {result.scheme}://")
+    return _handlers[result.scheme](url, **kwargs)
+
+
+def _query_to_dict(query: str) -> Dict[str, str]:
+    """torch's parser: split on '&', each piece on '='; first two parts; no percent-decoding."""
+    return {pair[0]: pair[1] for pair in (piece.split("=") for piece in filter(None, query.split("&")))}
+
+
+def _rendezvous_error(msg: str) -> ValueError:
+    return ValueError("Error initializing torch.distributed using " + msg)
+
+
+def _use_libuv(query: Dict[str, str]) -> bool:
+    return query.get("use_libuv", os.environ.get("USE_LIBUV", "1")) == "1"
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def uses_external_store(query: Dict[str, str]) -> bool:
+    """True when the store already runs as a master service (see the module docstring)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return True
+    if _truthy(os.environ.get("DISTLIB_EXTERNAL_STORE", "")):
+        return True
+    return _truthy(query.get("external_store", ""))
+
+
+def run_id() -> str:
+    """The job's run id (TORCHELASTIC_RUN_ID, else DISTLIB_RUN_ID), or ""."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("DISTLIB_RUN_ID") or ""
+
+
+def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: timedelta,
+                      query: Dict[str, str]) -> Store:
+    """The TCPStore for env:// and tcp://: rank 0 hosts it, or nobody does (external service)."""
+    from .store.tcp.client import TCPStore
+
+    if not 0 <= port < 2**16:
+        raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
+    if uses_external_store(query):
+        store: Store = TCPStore(hostname, port, world_size, False, timeout)
+        rid = run_id()
+        return PrefixStore(f"distlib/run/{rid}", store) if rid else store
+    return TCPStore(hostname, port, world_size, rank == 0, timeout, multi_tenant=True,
+                    use_libuv=_use_libuv(query))
+
+
+def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwargs):
+    def error(msg: str) -> ValueError:
+        return _rendezvous_error("tcp:// rendezvous: " + msg)
+
+    result = urlparse(url)
+    if not result.port:
+        raise error("port number missing")
+    query = _query_to_dict(result.query)
+    if "rank" not in query:
+        raise error("rank parameter missing")
+    if "world_size" not in query:
+        raise error("world size parameter missing")
+    rank = int(query["rank"])
+    world_size = int(query["world_size"])
+    if not result.hostname:
+        raise error("host name missing")
+    store = create_c10d_store(result.hostname, result.port, rank, world_size, timeout, query)
+    yield (store, rank, world_size)
+    raise RuntimeError("Unable to perform re-rendezvous using tcp:// method")
+
+
+def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwargs):
+    def error(msg: str) -> ValueError:
+        return _rendezvous_error("env:// rendezvous: " + msg)
+
+    def env_or_raise(name: str) -> str:
+        value = os.environ.get(name)
+        if not value:
+            raise error(f"environment variable {name} expected, but not set")
+        return value
+
+    query = _query_to_dict(urlparse(url).query)
+    rank = int(query["rank"]) if "rank" in query else int(env_or_raise("RANK"))
+    world_size = int(query["world_size"]) if "world_size" in query else int(env_or_raise("WORLD_SIZE"))
+    master_addr = env_or_raise("MASTER_ADDR")
+    master_port = int(env_or_raise("MASTER_PORT"))
+    store = create_c10d_store(master_addr, master_port, rank, world_size, timeout, query)
+    yield (store, rank, world_size)
+    raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
+def _file_rendezvous_handler(url: str, **kwargs):
+    def error(msg: str) -> ValueError:
+        return _rendezvous_error("file:// rendezvous: " + msg)
+
+    from .store.file import FileStore
+
+    result = urlparse(url)
+    path = result.path
+    if not path:
+        raise error("path missing")
+    query = _query_to_dict(result.query)
+    if "rank" not in query:
+        raise error("rank parameter missing")
+    if "world_size" not in query:
+        raise error("world size parameter missing")
+    rank = int(query["rank"])
+    world_size = int(query["world_size"])
+    store = FileStore(path, world_size)
+    yield (store, rank, world_size)
+    raise RuntimeError("Unable to perform rerendezvous using file:// method")
+
+
+register_rendezvous_handler("tcp", _tcp_rendezvous_handler)
+register_rendezvous_handler("env", _env_rendezvous_handler)
+register_rendezvous_handler("file", _file_rendezvous_handler)

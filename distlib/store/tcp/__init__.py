@@ -1,0 +1,6 @@
+"""TCPStore: the c10d TCP store protocol, client and server (byte compatible with torch 2.x)."""
+
+from .client import TCPStore
+from .server import StoreServer
+
+__all__ = ["TCPStore", "StoreServer"]

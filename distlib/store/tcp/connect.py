@@ -1,0 +1,137 @@
+"""Connecting to a TCP peer that may not be there yet, with a deadline and a clear failure.
+
+Workers often start before the master, and container DNS names often appear a moment after
+the container: a refused connection or an unresolvable name at first is normal. So
+``connect`` retries with backoff until its deadline, and when it gives up it says what went
+wrong, classified as one of
+
+* ``name not resolved``  — DNS has no address for the host (yet);
+* ``connection refused`` — the host answered but nobody listens on the port;
+* ``host unreachable``   — no route to the host (network down, container disconnected);
+* ``no answer``          — packets went out and nothing came back (firewall, dead host),
+
+with the addresses the name resolved to, the number of attempts and the time spent. The
+message starts as torch's does (``The client socket has timed out after <ms>ms while trying
+to connect to (<host>, <port>).``) so code matching torch's text keeps matching.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import socket
+import time
+from typing import List, Optional, Tuple
+
+from ...deadline import Deadline, format_duration
+from ...errors import DistNetworkError
+
+log = logging.getLogger("distlib.store.tcp.connect")
+
+FIRST_RETRY_DELAY = 0.02  # s; a master that starts a moment late is found quickly
+MAX_RETRY_DELAY = 1.0  # s; and one that takes minutes costs a probe a second
+ATTEMPT_TIMEOUT = 5.0  # s; one SYN without an answer for this long counts as "no answer"
+
+NAME_NOT_RESOLVED = "name not resolved"
+CONNECTION_REFUSED = "connection refused (nobody listening)"
+HOST_UNREACHABLE = "host unreachable"
+NO_ANSWER = "no answer (timed out)"
+
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
+
+
+def classify(exc: BaseException) -> str:
+    """Name the failure of one connect attempt in a user's words."""
+    if isinstance(exc, socket.gaierror):
+        return NAME_NOT_RESOLVED
+    if isinstance(exc, ConnectionRefusedError):
+        return CONNECTION_REFUSED
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return NO_ANSWER
+    if isinstance(exc, OSError) and exc.errno in _UNREACHABLE:
+        return HOST_UNREACHABLE
+    return f"{type(exc).__name__}: {exc}"
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def tune(sock: socket.socket) -> None:
+    """Options every store and transport connection wants: no Nagle delay on small requests,
+    keepalive so a peer that vanished is noticed during long waits."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def resolve(host: str, port: int) -> List[Tuple]:
+    """getaddrinfo for a stream socket, IPv4 and IPv6, duplicates removed, order kept."""
+    infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    seen, out = set(), []
+    for family, type_, proto, _, addr in infos:
+        if addr[:2] not in seen:
+            seen.add(addr[:2])
+            out.append((family, type_, proto, addr))
+    return out
+
+
+def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore server") -> socket.socket:
+    """Connect to ``host:port``, retrying until ``deadline``; raise DistNetworkError after.
+
+    Returns a blocking, tuned socket (TCP_NODELAY, SO_KEEPALIVE).
+    """
+    attempts = 0
+    delay = FIRST_RETRY_DELAY
+    last_failure = "no attempt made"
+    addresses: List[str] = []
+    while True:
+        attempts += 1
+        try:
+            candidates = resolve(host, port)
+        except socket.gaierror as exc:
+            last_failure = f"{NAME_NOT_RESOLVED} ({exc.strerror})"
+            candidates = []
+        else:
+            addresses = [a[3][0] for a in candidates]
+        for family, type_, proto, addr in candidates:
+            sock = socket.socket(family, type_, proto)
+            try:
+                sock.settimeout(max(0.001, min(ATTEMPT_TIMEOUT, deadline.remaining())))
+                sock.connect(addr)
+            except OSError as exc:
+                sock.close()
+                last_failure = f"{classify(exc)} at {format_endpoint(addr[0], port)}"
+                continue
+            sock.settimeout(None)
+            tune(sock)
+            if attempts > 1:
+                log.info("connected to %s %s after %d attempts (%s)", what,
+                         format_endpoint(host, port), attempts, format_duration(deadline.elapsed()))
+            return sock
+        if deadline.expired():
+            break
+        if attempts == 1 or attempts % 20 == 0:
+            log.info("waiting for %s %s: %s; retrying until the deadline (%s left)", what,
+                     format_endpoint(host, port), last_failure, format_duration(deadline.remaining()))
+        time.sleep(min(deadline.remaining(), delay * random.uniform(0.75, 1.25)))
+        delay = min(MAX_RETRY_DELAY, delay * 1.6)
+    raise DistNetworkError(
+        f"The client socket has timed out after {int(deadline.seconds * 1000)}ms while trying "
+        f"to connect to ({host}, {port}). {what} {format_endpoint(host, port)} unreachable: "
+        f"last error: {last_failure}; "
+        + (f"{host!r} resolved to {', '.join(addresses)}; " if addresses else f"{host!r} never resolved; ")
+        + f"{attempts} attempts over {format_duration(deadline.elapsed())}."
+    )
+
+
+def describe_socket(sock: Optional[socket.socket]) -> str:
+    """``local -> remote`` of a connected socket, for reprs and logs."""
+    if sock is None:
+        return "closed"
+    try:
+        local = sock.getsockname()
+        remote = sock.getpeername()
+    except OSError:
+        return "closed"
+    return f"{format_endpoint(local[0], local[1])} -> {format_endpoint(remote[0], remote[1])}"

@@ -1,0 +1,3 @@
+"""Suite-wide fixtures: Docker (tests/fixtures/docker.py) for the container tests."""
+
+pytest_plugins = ["tests.fixtures.docker"]

@@ -1,0 +1,132 @@
+"""The container fixtures themselves (tests/fixtures/docker.py): skip-or-fail without an engine,
+private networks, the labelled-container factory and the sweep of leftovers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.fixtures.docker import (
+    REPO_ROOT,
+    SESSION_ID,
+    TEST_LABELS,
+    exec_text,
+    labelled,
+    sweep,
+)
+
+# --- no engine: skip, or fail under DISTLIB_REQUIRE_DOCKER=1 (no Docker needed for these) -------
+
+
+def run_pytest_without_engine(tmp_path, require: str | None) -> subprocess.CompletedProcess:
+    test_file = tmp_path / "test_needs_docker.py"
+    test_file.write_text(textwrap.dedent("""
+        def test_uses_docker(docker_client):
+            pass
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "DISTLIB_REQUIRE_DOCKER"}
+    env["DOCKER_HOST"] = "unix:///nonexistent/docker.sock"
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if require is not None:
+        env["DISTLIB_REQUIRE_DOCKER"] = require
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.fixtures.docker", "-p", "no:cacheprovider",
+         "-rsf", "--rootdir", str(tmp_path), "-c", os.devnull, str(test_file)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_no_engine_skips_with_the_reason(tmp_path):
+    pytest.importorskip("docker")
+    proc = run_pytest_without_engine(tmp_path, require=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 skipped" in proc.stdout
+    assert "no Docker engine reachable" in proc.stdout
+
+
+def test_no_engine_fails_when_docker_is_required(tmp_path):
+    pytest.importorskip("docker")
+    proc = run_pytest_without_engine(tmp_path, require="1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 error" in proc.stdout  # pytest.fail in a fixture: an error, exit code 1
+    assert "DISTLIB_REQUIRE_DOCKER=1" in proc.stdout
+
+
+# --- with an engine ------------------------------------------------------------------------------
+
+
+@pytest.mark.containers
+def test_private_internal_network_connects_containers_by_alias(distlib_image, docker_network, container_factory):
+    net = docker_network(internal=True)
+    server = container_factory(
+        distlib_image,
+        command=["python", "-c", textwrap.dedent("""
+            import socket
+            s = socket.create_server(("0.0.0.0", 7000))
+            conn, _ = s.accept()
+            conn.sendall(b"hello from node0")
+            conn.close()
+        """)],
+        network=net, aliases=["node0"],
+    )
+    client = container_factory(distlib_image, command="sleep infinity", network=net, aliases=["node1"])
+    code, out = exec_text(client, ["python", "-c", textwrap.dedent("""
+        import socket, time
+        for _ in range(100):
+            try:
+                c = socket.create_connection(("node0", 7000), timeout=2)
+                break
+            except OSError:
+                time.sleep(0.1)
+        print(c.recv(100).decode())
+    """)])
+    assert code == 0, out
+    assert out.strip() == "hello from node0"
+    assert server.wait() == 0
+    attrs = net._network.attrs
+    assert attrs["Internal"] is True
+    assert attrs["Labels"]["distlib.test.session"] == SESSION_ID
+    assert server.get_wrapped_container().labels["distlib.test"] == "1"
+
+
+@pytest.mark.containers
+def test_network_is_removed_after_the_block(docker_client):
+    import docker
+
+    from tests.fixtures.docker import private_network
+
+    with private_network() as net:
+        name = net.name
+        docker_client.networks.get(name)
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.networks.get(name)
+
+
+@pytest.mark.containers
+def test_sweep_removes_orphans_and_spares_live_sessions(docker_client, distlib_image):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan_labels = {**TEST_LABELS, "distlib.test.session": "deadbeef0000", "distlib.test.pid": str(dead.pid)}
+    live_labels = {**TEST_LABELS, "distlib.test.session": "alive0000000", "distlib.test.pid": str(os.getppid())}
+    orphan = docker_client.containers.create(distlib_image, "true", labels=orphan_labels)
+    live = docker_client.containers.create(distlib_image, "true", labels=live_labels)
+    try:
+        removed = sweep(docker_client)
+        assert f"container {orphan.name}" in removed
+        assert f"container {live.name}" not in removed
+        live.reload()  # still there
+    finally:
+        for ctr in (orphan, live):
+            try:
+                ctr.remove(force=True)
+            except Exception:
+                pass
+
+
+def test_labels_name_this_session():
+    assert labelled({"x": "1"}) == {**TEST_LABELS, "x": "1"}
+    assert TEST_LABELS["distlib.test.pid"] == str(os.getpid())
