@@ -109,13 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after it)")
     bench.set_defaults(func=_bench)
 
-    run = sub.add_parser("run", add_help=False, help="the launcher (same as distlib-run)")
-    run.add_argument("rest", nargs=argparse.REMAINDER)
-    run.set_defaults(func=lambda a: __import__("distlib.run", fromlist=["main"]).main(a.rest))
+    sub.add_parser("run", add_help=False, help="the launcher (same as distlib-run; see distlib-run --help)")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `distlib run` hands everything after "run" to the launcher untouched (argparse would
+    # take the launcher's own --flags for its own).
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-h", "--help"):
+        i += 2 if argv[i] == "--log-level" else 1
+    if i < len(argv) and argv[i] == "run":
+        from .run import main as run_main
+
+        return run_main(argv[i + 1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -105,21 +105,27 @@ def run_id() -> str:
 
 
 def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: timedelta,
-                      query: Dict[str, str]) -> Store:
-    """The TCPStore for env:// and tcp://: rank 0 hosts it, or nobody does (external service)."""
+                      query: Dict[str, str], wait_for_workers: bool = True) -> Store:
+    """The TCPStore for env:// and tcp://: rank 0 hosts it, or nobody does (external service).
+
+    ``wait_for_workers=False`` (what init_process_group asks for) lets rank 0 go on without
+    counting the workers in the store: the group's join step waits for every rank anyway, and
+    unlike the store's anonymous counter it can name the ranks that never came.
+    """
     from .store.tcp.client import TCPStore
 
     if not 0 <= port < 2**16:
         raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
     if uses_external_store(query):
-        store: Store = TCPStore(hostname, port, world_size, False, timeout)
+        store: Store = TCPStore(hostname, port, world_size, False, timeout, wait_for_workers=wait_for_workers)
         rid = run_id()
         return PrefixStore(f"distlib/run/{rid}", store) if rid else store
-    return TCPStore(hostname, port, world_size, rank == 0, timeout, multi_tenant=True,
-                    use_libuv=_use_libuv(query))
+    return TCPStore(hostname, port, world_size, rank == 0, timeout, wait_for_workers=wait_for_workers,
+                    multi_tenant=True, use_libuv=_use_libuv(query))
 
 
-def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwargs):
+def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, wait_for_workers: bool = True,
+                            **kwargs):
     def error(msg: str) -> ValueError:
         return _rendezvous_error("tcp:// rendezvous: " + msg)
 
@@ -133,14 +139,14 @@ def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, *
         raise error("world size parameter missing")
     rank = int(query["rank"])
     world_size = int(query["world_size"])
-    if not result.hostname:
-        raise error("host name missing")
-    store = create_c10d_store(result.hostname, result.port, rank, world_size, timeout, query)
+    assert result.hostname is not None, f"tcp:// URL without a host: {url}"
+    store = create_c10d_store(result.hostname, result.port, rank, world_size, timeout, query, wait_for_workers)
     yield (store, rank, world_size)
     raise RuntimeError("Unable to perform re-rendezvous using tcp:// method")
 
 
-def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwargs):
+def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, wait_for_workers: bool = True,
+                            **kwargs):
     def error(msg: str) -> ValueError:
         return _rendezvous_error("env:// rendezvous: " + msg)
 
@@ -155,7 +161,7 @@ def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, *
     world_size = int(query["world_size"]) if "world_size" in query else int(env_or_raise("WORLD_SIZE"))
     master_addr = env_or_raise("MASTER_ADDR")
     master_port = int(env_or_raise("MASTER_PORT"))
-    store = create_c10d_store(master_addr, master_port, rank, world_size, timeout, query)
+    store = create_c10d_store(master_addr, master_port, rank, world_size, timeout, query, wait_for_workers)
     yield (store, rank, world_size)
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 

@@ -1,0 +1,357 @@
+"""init_process_group, destroy_process_group, new_group and the questions about groups —
+torch.distributed's names, arguments, defaults and errors.
+
+The collectives themselves are in collectives.py and object_collectives.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import warnings
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+from .backends.base import CommBackend
+from .backends.registry import Backend, backend_config, config_string
+from .deadline import format_duration
+from .errors import DistBackendError
+from .group import NON_GROUP_MEMBER, GroupMember, ProcessGroup, world
+from .rendezvous import default_pg_timeout, rendezvous
+from .store.prefix import PrefixStore
+
+log = logging.getLogger("distlib.distributed")
+
+#: torch's default for NCCL groups.
+default_pg_nccl_timeout = timedelta(minutes=10)
+
+
+# -- availability ---------------------------------------------------------------------------------
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_gloo_available() -> bool:
+    return True
+
+
+def is_nccl_available() -> bool:
+    """False: distlib's nccl backend (cupy) is not implemented yet."""
+    return False
+
+
+def is_mpi_available() -> bool:
+    """False: distlib's mpi backend is not implemented yet."""
+    return False
+
+
+def is_ucc_available() -> bool:
+    return False
+
+
+def is_backend_available(backend: str) -> bool:
+    name = Backend(backend)
+    if name == Backend.GLOO:
+        return True
+    return name.upper() in Backend._plugins
+
+
+def is_initialized() -> bool:
+    return world.default_pg is not None
+
+
+def is_torchelastic_launched() -> bool:
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def _available_devices() -> List[str]:
+    return ["cpu"]
+
+
+# -- creating backends ----------------------------------------------------------------------------
+
+
+def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, label: str,
+                    group_name: str, global_ranks: List[int], pg_options) -> CommBackend:
+    if name == Backend.GLOO:
+        from .backends.gloo import GlooBackend
+
+        return GlooBackend(store, rank, size, timeout, label=label)
+    plugin = Backend._plugins.get(name.upper())
+    if plugin is not None:
+        if plugin.extended_api:
+            from types import SimpleNamespace
+
+            options = SimpleNamespace(store=store, group_rank=rank, group_size=size, timeout=timeout,
+                                      group_id=group_name, global_ranks_in_group=global_ranks)
+            backend = plugin.creator_fn(options, pg_options)
+        else:
+            backend = plugin.creator_fn(store, rank, size, timeout)
+        if not isinstance(backend, CommBackend):
+            raise TypeError(f"the creator of backend {name!r} returned {type(backend).__name__}, "
+                            f"not a distlib.CommBackend")
+        return backend
+    if name in (Backend.NCCL, Backend.MPI, Backend.UCC, Backend.XCCL):
+        raise RuntimeError(
+            f"backend {name!r} is not available in distlib yet (is_{name}_available() is False); "
+            f"use 'gloo' for numpy arrays")
+    raise AssertionError(f"Unknown c10d backend type {name.upper()}")
+
+
+def _new_process_group(name: str, global_ranks: List[int], group_rank: int, store, config: Dict[str, str],
+                       timeout: timedelta, pg_options) -> ProcessGroup:
+    """Create the backends of one group (the group's store is ``store/<name>/``)."""
+    group_store = PrefixStore(name + "/", store)
+    size = len(global_ranks)
+    backends: Dict[str, CommBackend] = {}
+    names = set(config.values())
+    created: List[CommBackend] = []
+    try:
+        if len(names) == 1:
+            device, backend_name = next(iter(config.items()))
+            backend = _create_backend(backend_name, PrefixStore(device + "/", group_store), group_rank, size,
+                                      timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options)
+            created.append(backend)
+            backends = {d: backend for d in config}
+        else:
+            for device, backend_name in config.items():
+                backend = _create_backend(backend_name, PrefixStore(device + "/", group_store), group_rank, size,
+                                          timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options)
+                created.append(backend)
+                backends[device] = backend
+    except BaseException:
+        for backend in created:
+            backend.shutdown()
+        raise
+    return ProcessGroup(name, global_ranks, group_rank, group_store, config_string(config), backends, timeout)
+
+
+def _default_timeout(config: Dict[str, str]) -> timedelta:
+    if config and all(b == Backend.NCCL for b in config.values()):
+        return default_pg_nccl_timeout
+    return default_pg_timeout
+
+
+def _close_store(store) -> None:
+    inner = store
+    while isinstance(inner, PrefixStore):
+        inner = inner.underlying_store
+    close = getattr(inner, "close", None)
+    if callable(close):
+        close()
+
+
+# -- init / destroy -------------------------------------------------------------------------------
+
+
+def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
+                       timeout: Optional[timedelta] = None, world_size: int = -1, rank: int = -1,
+                       store=None, group_name: str = "", pg_options=None, device_id=None) -> None:
+    """Join the default process group (torch.distributed.init_process_group).
+
+    Blocks until every rank has joined (logging progress every few seconds); on timeout the
+    error names the ranks that never arrived. ``init_method`` and ``store`` are mutually
+    exclusive; with neither, ``env://``. ``backend`` None picks by device (cpu → gloo).
+    To rendezvous through a standing ``distlib store-server`` rather than a store hosted by
+    rank 0, set ``TORCHELASTIC_USE_AGENT_STORE=True`` or ``DISTLIB_EXTERNAL_STORE=1`` (or add
+    ``external_store=1`` to a tcp:// URL); see rendezvous.py.
+    """
+    with world.lock:
+        if world.default_pg is not None:
+            raise ValueError("trying to initialize the default process group twice!")
+        if init_method is not None and store is not None:
+            raise ValueError("Cannot specify both init_method and store.")
+        if store is not None:
+            if world_size <= 0:
+                raise ValueError("world_size must be positive if using store")
+            if rank < 0:
+                raise ValueError("rank must be non-negative if using store")
+        elif init_method is None:
+            init_method = "env://"
+        if device_id is not None and not isinstance(device_id, int) and str(device_id) != "cpu":
+            raise ValueError(f"device_id {device_id!r}: distlib has CPU devices only here")
+        config = backend_config(Backend(backend) if backend is not None else Backend.UNDEFINED,
+                                _available_devices())
+        if timeout is None:
+            timeout = _default_timeout(config)
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"Expected timeout argument to be of type datetime.timedelta, got {timeout}")
+        name = str(world.group_count)
+        world.group_count += 1
+        started = time.monotonic()
+        if store is None:
+            store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout,
+                                                      wait_for_workers=False))
+            store.set_timeout(timeout)
+            store = PrefixStore("default_pg", store)
+            owns_store = True
+        else:
+            owns_store = False
+        try:
+            pg = _new_process_group(name, list(range(world_size)), rank, store, config, timeout, pg_options)
+        except BaseException:
+            if owns_store:
+                _close_store(store)
+            raise
+        world.default_pg = pg
+        world.default_store = store
+        world.groups[name] = pg
+        world.backend_config = config
+        world.init_method = init_method
+        world.owns_store = owns_store
+        log.info("rank %d/%d joined process group %s (%s) in %s", rank, world_size, name, pg.backend_name,
+                 format_duration(time.monotonic() - started))
+
+
+def destroy_process_group(group=None) -> None:
+    """Release a group's sockets, threads and shared memory; with no group, everything.
+
+    Works after a failed collective too (torch leaves that unsupported), so a process can
+    init again.
+    """
+    with world.lock:
+        if group is NON_GROUP_MEMBER:
+            return
+        if group is None or group is world.default_pg:
+            if world.default_pg is None:
+                raise ValueError("Invalid process group specified")
+            for name in sorted(world.groups, key=lambda n: (len(n), n), reverse=True):
+                world.groups[name].shutdown()
+            if getattr(world, "owns_store", False) and world.default_store is not None:
+                _close_store(world.default_store)
+            world.reset()
+            return
+        if not isinstance(group, ProcessGroup) or world.groups.get(group.group_name) is not group:
+            raise ValueError("Invalid process group specified")
+        group.shutdown()
+        del world.groups[group.group_name]
+
+
+# -- groups ---------------------------------------------------------------------------------------
+
+
+def _require_init() -> ProcessGroup:
+    if world.default_pg is None:
+        raise ValueError("Default process group has not been initialized, please make sure to call "
+                         "init_process_group.")
+    return world.default_pg
+
+
+def _resolve(group) -> Optional[ProcessGroup]:
+    """The ProcessGroup for ``group`` (None/WORLD → default), or None for non-members."""
+    default = _require_init()
+    if group is None or group is GroupMember.WORLD:
+        return default
+    if group is NON_GROUP_MEMBER:
+        return None
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup from new_group, got {type(group).__name__}")
+    if group.destroyed:
+        raise ValueError(f"process group {group.group_name} was destroyed")
+    return group
+
+
+def new_group(ranks: Optional[List[int]] = None, timeout: Optional[timedelta] = None,
+              backend: Optional[str] = None, pg_options=None, use_local_synchronization: bool = False,
+              group_desc: Optional[str] = None, device_id=None):
+    """A subgroup of the default group. Every rank must call it, in the same order, unless
+    ``use_local_synchronization`` (then only members). Non-members get NON_GROUP_MEMBER."""
+    with world.lock:
+        default = _require_init()
+        size = default.size()
+        if ranks is None:
+            ranks = list(range(size))
+        ranks = sorted(int(r) for r in ranks)
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks list must not contain duplicate entries, got {ranks}")
+        if len(ranks) > size:
+            raise ValueError(f"the new group's rank list ({len(ranks)} ranks) should be less or equal to "
+                             f"the world size ({size})")
+        for r in ranks:
+            if not 0 <= r < size:
+                raise ValueError(f"Rank {r} is out of range. Valid ranks are 0 to {size - 1} (world_size={size})")
+        me = default.rank()
+        if use_local_synchronization:
+            if me not in ranks:
+                return None
+            text = "_".join(str(r) for r in ranks) + "_" + str(len(world.groups))
+            name = hashlib.sha1(text.encode()).hexdigest()
+        else:
+            name = str(world.group_count)
+            world.group_count += 1
+            if me not in ranks:
+                return NON_GROUP_MEMBER
+        if name in world.groups:
+            raise ValueError("The specified group name has already been created, please use a different group name")
+        config = (backend_config(Backend(backend), _available_devices()) if backend is not None
+                  else dict(world.backend_config))
+        timeout = timeout if timeout is not None else default.timeout
+        pg = _new_process_group(name, ranks, ranks.index(me), world.default_store, config, timeout, pg_options)
+        world.groups[name] = pg
+        return pg
+
+
+def get_rank(group=None) -> int:
+    pg = _resolve(group)
+    return -1 if pg is None else pg.rank()
+
+
+def get_world_size(group=None) -> int:
+    pg = _resolve(group)
+    return -1 if pg is None else pg.size()
+
+
+def get_backend(group=None) -> str:
+    """The group's backend: its name when one backend serves every device
+    (``"gloo"``), else the device map (``"cpu:gloo,cuda:nccl"``)."""
+    pg = _resolve(group)
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    names = {part.split(":")[1] for part in pg.backend_name.split(",")}
+    return Backend(names.pop() if len(names) == 1 else pg.backend_name)
+
+
+def get_process_group_ranks(group) -> List[int]:
+    pg = _resolve(group)
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    return pg.ranks
+
+
+def get_global_rank(group, group_rank: int) -> int:
+    if group is None or group is GroupMember.WORLD:
+        raise ValueError("group.WORLD does not have local rank to global rank mapping")
+    pg = _resolve(group)
+    if pg is None or world.groups.get(pg.group_name) is not pg:
+        raise ValueError(f"Group {group} is not registered, please create group with distlib.new_group API")
+    return pg.global_rank_of(group_rank)
+
+
+def get_group_rank(group, global_rank: int) -> int:
+    if group is None or group is GroupMember.WORLD:
+        raise ValueError("group.WORLD does not have local rank to global rank mapping")
+    pg = _resolve(group)
+    if pg is None or world.groups.get(pg.group_name) is not pg:
+        raise ValueError(f"Group {group} is not registered, please create group with distlib.new_group API")
+    return pg.group_rank_of(global_rank)
+
+
+def get_default_group() -> ProcessGroup:
+    return _require_init()
+
+
+def warn_not_in_group(op: str) -> None:
+    rank = world.default_pg.rank() if world.default_pg is not None else -1
+    warnings.warn(f"Running {op} on global rank {rank} which does not belong to the given group.", stacklevel=3)
+
+
+__all__ = [
+    "init_process_group", "destroy_process_group", "new_group", "is_initialized", "is_available",
+    "is_gloo_available", "is_nccl_available", "is_mpi_available", "is_ucc_available", "is_backend_available",
+    "is_torchelastic_launched", "get_rank", "get_world_size", "get_backend", "get_process_group_ranks",
+    "get_global_rank", "get_group_rank", "default_pg_timeout", "default_pg_nccl_timeout", "DistBackendError",
+]

@@ -1,0 +1,87 @@
+"""One node's launch, in order: the master service (c10d), the node rank (``auto``), the workers.
+
+``launch(resolved, program, options)`` returns the launcher's exit status (agent.py says what
+it means). With ``DISTLIB_INIT_METHOD`` set (e.g. the Helm chart's file mode,
+``file:///shared/<run>/store``) no TCP store is started or contacted: the job rendezvous
+through that URL, and the launcher only passes it on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from ..store.tcp.connect import format_endpoint
+from .agent import Worker, run_workers, say
+from .master import HostedStore, LauncherError, ensure_master_service, node_rank_key, take_node_rank
+from .resolve import Resolved
+from .workerenv import Program, full_env
+
+log = logging.getLogger("distlib.launcher")
+
+
+@dataclass
+class Options:
+    #: Seconds between SIGTERM and SIGKILL when workers are stopped.
+    grace_period: float = 5.0
+    #: Seconds to wait for the master service (c10d), and for other nodes' clients to leave a
+    #: store this agent hosts.
+    rdzv_timeout: float = 300.0
+
+
+def _summary(resolved: Resolved) -> str:
+    node = resolved.node_rank.value
+    nproc = resolved.nproc_per_node.value
+    first = node * nproc
+    where = format_endpoint(str(resolved.master_addr.value), int(resolved.master_port.value))
+    if resolved.init_method is not None:
+        how = f"init method {resolved.init_method.value} (DISTLIB_INIT_METHOD)"
+    elif resolved.c10d:
+        how = f"c10d rendezvous: every rank is a client of the master service at {where}"
+    else:
+        how = f"static rendezvous: global rank 0 hosts the store at {where}"
+    return (f"node {node} of {resolved.nnodes.value}: starting {nproc} worker(s), global ranks "
+            f"{first}..{first + nproc - 1} of {resolved.world_size}; {how}; run id {resolved.run_id.value!r}")
+
+
+def launch(resolved: Resolved, program: Program, options: Options,
+           environ: Optional[Mapping[str, str]] = None) -> int:
+    environ = os.environ if environ is None else environ
+    for warning in resolved.warnings:
+        log.warning("%s", warning)
+    for note in resolved.notes:
+        log.info("%s", note)
+    hosted: Optional[HostedStore] = None
+    try:
+        try:
+            if resolved.init_method is None and resolved.c10d:
+                host = str(resolved.master_addr.value)
+                hosted = ensure_master_service(host, int(resolved.master_port.value), options.rdzv_timeout)
+                if hosted is not None and resolved.master_port.value == 0:
+                    resolved = resolved.with_master_port(hosted.port, "a free port (this agent hosts the store)")
+            if resolved.node_rank_auto:
+                host, port = str(resolved.master_addr.value), int(resolved.master_port.value)
+                rank = take_node_rank(host, port, str(resolved.run_id.value), resolved.nnodes.value,
+                                      options.rdzv_timeout)
+                resolved = resolved.with_node_rank(
+                    rank, f"--node-rank auto: the counter {node_rank_key(str(resolved.run_id.value))} "
+                          f"at {format_endpoint(host, port)}")
+                log.info("node rank %d taken from the master service", rank)
+        except LauncherError as exc:
+            say(str(exc))
+            return 1
+        log.info("%s", _summary(resolved))
+        node = resolved.node_rank.value
+        nproc = resolved.nproc_per_node.value
+        argv = program.argv()
+        workers = [Worker(local, node * nproc + local, argv, full_env(environ, resolved, local))
+                   for local in range(nproc)]
+        status = run_workers(workers, node, resolved.nnodes.value, options.grace_period)
+        if hosted is not None and status == 0:
+            hosted.linger(options.rdzv_timeout)
+        return status
+    finally:
+        if hosted is not None:
+            hosted.stop()

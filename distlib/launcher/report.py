@@ -1,0 +1,58 @@
+"""The ``--dry-run`` text: every resolved value, where it came from, and each worker's variables.
+
+Plain text meant for people (and simple enough to grep): a table of ``setting  value  source``,
+the notes and warnings of the resolver, the command, and one block of ``NAME=value`` lines per
+local worker. Nothing is started or contacted; with ``--node-rank auto`` the node rank (and so
+RANK and GROUP_RANK) is shown as ``auto``.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from .resolve import Resolved
+from .workerenv import Program, worker_env
+
+
+def _rows(resolved: Resolved) -> List[tuple]:
+    node_rank = "auto" if resolved.node_rank_auto else resolved.node_rank.value
+    store = "master service (c10d endpoint)" if resolved.c10d else "master (global rank 0 hosts the store)"
+    rows = [
+        ("nnodes", resolved.nnodes.value, resolved.nnodes.source),
+        ("nproc-per-node", resolved.nproc_per_node.value, resolved.nproc_per_node.source),
+        ("node-rank", node_rank, resolved.node_rank.source),
+        ("world size", resolved.world_size, "nnodes x nproc-per-node"),
+        ("rdzv-backend", resolved.rdzv_backend.value, resolved.rdzv_backend.source),
+        ("master-addr", resolved.master_addr.value, f"{resolved.master_addr.source}; {store}"),
+        ("master-port", resolved.master_port.value, resolved.master_port.source),
+        ("run-id", resolved.run_id.value, resolved.run_id.source),
+    ]
+    if resolved.init_method is not None:
+        rows.append(("init method", resolved.init_method.value,
+                     f"{resolved.init_method.source}; passed to the workers, no TCP store started or contacted"))
+    for name, value in resolved.extra_env.items():
+        rows.append((name, value.value, value.source))
+    return rows
+
+
+def dry_run_text(resolved: Resolved, program: Program) -> str:
+    lines = ["distlib-run --dry-run: resolved settings (nothing started, nothing contacted)", ""]
+    rows = _rows(resolved)
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(str(r[1])) for r in rows)
+    for name, value, source in rows:
+        lines.append(f"  {name:<{width}}  {str(value):<{vwidth}}  from {source}")
+    if resolved.notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in resolved.notes]
+    if resolved.warnings:
+        lines += ["", "warnings:"] + [f"  - {w}" for w in resolved.warnings]
+    lines += ["", f"command (each worker): {program.describe()}"]
+    for local_rank in range(resolved.nproc_per_node.value):
+        if resolved.node_rank_auto:
+            env = worker_env(resolved, local_rank, 0)
+            for name in ("RANK", "GROUP_RANK", "NODE_RANK", "ROLE_RANK"):
+                env[name] = "auto"
+        else:
+            env = worker_env(resolved, local_rank)
+        lines += ["", f"worker local rank {local_rank}:"] + [f"  {k}={v}" for k, v in env.items()]
+    return "\n".join(lines) + "\n"

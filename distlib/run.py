@@ -1,0 +1,123 @@
+"""``distlib-run`` (also ``distlib run``): a torchrun-like launcher for distlib jobs.
+
+    distlib-run [--nnodes N] [--nproc-per-node N|auto|cpu|gpu] [--node-rank N|auto]
+                [--master-addr HOST] [--master-port PORT]
+                [--rdzv-backend static|c10d] [--rdzv-endpoint HOST[:PORT]] [--run-id ID]
+                [--standalone] [--grace-period S] [--rdzv-timeout S] [--dry-run]
+                (-m MODULE | SCRIPT) [ARGS...]
+
+This module is only the command line: settings are resolved by distlib/launcher/resolve.py
+(flags, then the cluster's environment conventions, then defaults), the node is launched by
+distlib/launcher/launch.py and its workers supervised by distlib/launcher/agent.py. The docs
+are docs/launcher.md.
+
+Exit status: 0 when every worker succeeded; the failed worker's exit code (128 + N when it
+was killed by signal N); 128 + N when the launcher was stopped by signal N; 2 for a usage or
+configuration error; 1 when the launch itself failed (e.g. no master service answered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional
+
+from .launcher.launch import Options, launch
+from .launcher.report import dry_run_text
+from .launcher.resolve import Flags, ResolveError, resolve
+from .launcher.workerenv import Program
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distlib-run", allow_abbrev=False,
+        description="Start this node's workers of a distlib job (torchrun's flags). Values not given as "
+                    "flags come from the cluster's environment (PET_*, Kubeflow PyTorchJob, Indexed Job, "
+                    "LeaderWorkerSet, Volcano), else torchrun's defaults; --dry-run shows what was resolved "
+                    "and from where. See docs/launcher.md.")
+    add = parser.add_argument
+    add("--nnodes", help="number of nodes, N (or MIN:MAX with MIN == MAX); default 1")
+    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
+        help="workers on this node: a number, cpu, gpu or auto (GPUs if any, else CPUs); default 1")
+    add("--node-rank", "--node_rank", dest="node_rank",
+        help="this node's rank, 0..nnodes-1, or 'auto': take the next free one from the master service "
+             "(needs --rdzv-backend c10d); default 0")
+    add("--master-addr", "--master_addr", dest="master_addr",
+        help="static backend: the host of global rank 0, which hosts the store; default 127.0.0.1")
+    add("--master-port", "--master_port", dest="master_port",
+        help="static backend: the store's port on that host; default 29500")
+    add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
+        help="static (default: global rank 0 hosts the store) or c10d (a distlib store-server runs at "
+             "--rdzv-endpoint; every rank is its client)")
+    add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+        help="HOST[:PORT] of the master service (c10d; port default 29500); with static, the master's address")
+    add("--run-id", "--rdzv-id", "--run_id", "--rdzv_id", dest="run_id",
+        help="the run's id, the same on every node; namespaces its keys on a shared master service "
+             "(default: PET_RDZV_ID, DISTLIB_RUN_ID, TORCHELASTIC_RUN_ID, else 'none')")
+    add("--standalone", action="store_true",
+        help="single node: a private store on a free port of this machine (c10d, endpoint 127.0.0.1:0)")
+    add("--grace-period", type=_positive, default=5.0, metavar="S",
+        help="seconds between SIGTERM and SIGKILL when workers are stopped (default 5)")
+    add("--rdzv-timeout", type=_positive, default=300.0, metavar="S",
+        help="seconds to wait for the master service (c10d) (default 300)")
+    add("--dry-run", action="store_true",
+        help="print every resolved value, where it came from, and each worker's environment; start nothing")
+    add("--log-level", default=os.environ.get("DISTLIB_LOG_LEVEL", "INFO"),
+        help="the launcher's logging level (default INFO; env DISTLIB_LOG_LEVEL)")
+    add("-m", "--module", action="store_true",
+        help="run the program as a module: python -m MODULE (as python -m)")
+    add("program", nargs="?", metavar="SCRIPT|MODULE", help="the Python script (or, with -m, module) to run")
+    add("args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.program is None and not args.dry_run:
+        parser.error("what to run is missing: a script, or -m and a module")
+    _setup_logging(args.log_level)
+    flags = Flags(
+        nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port, rdzv_backend=args.rdzv_backend,
+        rdzv_endpoint=args.rdzv_endpoint, run_id=args.run_id, standalone=args.standalone,
+    )
+    try:
+        resolved = resolve(flags, os.environ)
+    except ResolveError as exc:
+        print(f"distlib-run: error: {exc}", file=sys.stderr)
+        return 2
+    program = Program(args.program or "<no program given>", tuple(args.args), args.module)
+    if args.dry_run:
+        sys.stdout.write(dry_run_text(resolved, program))
+        sys.stdout.flush()
+        return 0
+    try:
+        return launch(resolved, program, Options(grace_period=args.grace_period, rdzv_timeout=args.rdzv_timeout))
+    except KeyboardInterrupt:
+        print("distlib-run: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

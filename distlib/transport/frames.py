@@ -1,0 +1,65 @@
+"""The frames ranks exchange over their mesh connections (distlib's own format, not gloo's).
+
+Every message is a 32-byte header followed by ``nbytes`` of payload::
+
+    offset size field
+    0      1    kind      1 DATA (collective), 2 P2P (send/recv), 3 ABORT, 4 HELLO
+    1      1    op        collective code (OPS), so a rank that called all_reduce never
+                          consumes bytes a peer sent for broadcast
+    2      1    dtype     numpy dtype code (arrays.DTYPE_CODES), 0 for raw bytes
+    3      1    redop     ReduceOp code, 0 when the operation does not reduce
+    4      4    seq       u32 LE: the group's operation number (DATA); the user tag (P2P)
+    8      4    step      u32 LE: the algorithm's step/chunk number within the operation
+    12     4    reserved  zero
+    16     8    count     u64 LE: elements the sender's whole operation covers (for errors)
+    24     8    nbytes    u64 LE: payload bytes that follow
+
+DATA frames are matched to receives by ``(seq, step)``, which every rank computes the same
+way; P2P frames in order per (sender, tag), as MPI's non-overtaking rule. Before the payload
+is read, the receiver checks op, dtype, reduce op and size against what it expects; a
+mismatch means the ranks called different collectives or passed arrays of different shape or
+dtype, and every rank is told (an ABORT frame carries the text) instead of reading
+misaligned bytes. HELLO opens a connection: its 8-byte payload is the sender's rank and the
+mesh id, checked by the acceptor so a stray connection to a reused port is refused.
+"""
+
+from __future__ import annotations
+
+import struct
+
+HEADER = struct.Struct("<BBBBIIIQQ")
+HEADER_SIZE = HEADER.size  # 32
+
+DATA = 1
+P2P = 2
+ABORT = 3
+HELLO = 4
+
+HELLO_PAYLOAD = struct.Struct("<IQ")  # sender rank, mesh id (64-bit hash of the group)
+
+# Collective codes carried in the header's op field; the names are the API's.
+OPS = {
+    "barrier": 1,
+    "broadcast": 2,
+    "all_reduce": 3,
+    "reduce": 4,
+    "all_gather": 5,
+    "gather": 6,
+    "scatter": 7,
+    "reduce_scatter": 8,
+    "all_to_all": 9,
+    "send": 10,
+    "monitored_barrier": 11,
+    "shm_sync": 12,
+}
+OP_NAMES = {code: name for name, code in OPS.items()}
+
+
+def pack(kind: int, op: int, dtype: int, redop: int, seq: int, step: int, count: int, nbytes: int) -> bytes:
+    return HEADER.pack(kind, op, dtype, redop, seq & 0xFFFFFFFF, step & 0xFFFFFFFF, 0, count, nbytes)
+
+
+def unpack(data) -> tuple:
+    """(kind, op, dtype, redop, seq, step, count, nbytes)."""
+    kind, op, dtype, redop, seq, step, _, count, nbytes = HEADER.unpack(data)
+    return kind, op, dtype, redop, seq, step, count, nbytes

@@ -1,0 +1,670 @@
+"""``Mesh``: one TCP connection between every pair of ranks of a group, and how bytes move on it.
+
+Establishing: every rank listens, publishes ``host:port`` (and its host identity) in the
+group's store, waits for everyone's, connects to every lower rank and accepts every higher
+one; a HELLO frame names the connecting rank and the group, so a stray connection is refused.
+
+Moving bytes (frames.py for the layout):
+
+* **Sends** are done by the calling thread, header and payload in one ``sendmsg`` of
+  memoryviews (no copy), on non-blocking sockets polled against the operation's deadline.
+* **Receives are posted** (a buffer and what is expected) and matched to incoming frames:
+  DATA by ``(seq, step)``, P2P first-in-first-out per (peer, tag). A frame whose receive
+  is already posted is read straight into that buffer (``recv_into``, no copy); one that
+  arrives early is kept until its receive is posted.
+* **Who reads:** the thread waiting for a frame reads the connection itself when no other
+  thread is reading it (one wake-up, not two: a hand-off between threads costs ~100 µs on
+  these VMs). A progress thread reads every other connection that has data, so a peer's
+  send never blocks because this rank is busy elsewhere (no send/send deadlock, whatever
+  order isend/irecv are issued in), and a peer that dies is noticed at once.
+* **Failure:** a peer that closes its connection, a frame that does not match what this rank
+  expects, or a deadline that passes aborts the mesh: an ABORT frame with the reason goes to
+  every peer, every pending and later operation raises ``DistBackendError`` with that reason
+  (naming the rank and its host:port), and nothing waits past its deadline. A group whose
+  mesh aborted is unusable; destroy it and init again.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+from ..deadline import Deadline, format_duration
+from ..errors import DistBackendError, DistNetworkError
+from . import frames
+from .frames import ABORT, DATA, HELLO, P2P
+
+log = logging.getLogger("distlib.transport.tcp")
+
+ANY_SOURCE = -1
+SLICE = 0.5  # seconds one blocking socket call may take before deadlines are checked again
+_POLLIN = select.POLLIN | select.POLLPRI
+_EPOLLIN_ONCE = select.EPOLLIN | select.EPOLLONESHOT
+
+
+def endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class _ConnectionLost(DistBackendError):
+    """One peer's connection is gone (it may have finished and left, or died)."""
+
+
+class Slot:
+    """A posted receive: where the payload goes and what the frame must look like."""
+
+    __slots__ = ("view", "kind", "op", "dtype", "redop", "nbytes", "count", "what",
+                 "event", "done", "error", "source", "conn")
+
+    def __init__(self, view: memoryview, kind: int, op: int, dtype: int, redop: int, count: int, what: str):
+        self.view = view
+        self.kind = kind
+        self.op = op
+        self.dtype = dtype
+        self.redop = redop
+        self.nbytes = view.nbytes
+        self.count = count
+        self.what = what
+        self.event = threading.Event()
+        self.done = False
+        self.error: Optional[BaseException] = None
+        self.source = -1
+        self.conn: Optional["PeerConnection"] = None
+
+    def complete(self, source: int) -> None:
+        self.source = source
+        self.done = True
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self.error = error
+            self.done = True
+            self.event.set()
+
+    def mismatch(self, op: int, dtype: int, redop: int, nbytes: int, count: int, peer: str) -> Optional[str]:
+        """Why a frame cannot fill this slot, in a user's words, or None."""
+        from ..arrays import dtype_name
+
+        if op == self.op and dtype == self.dtype and redop == self.redop and nbytes == self.nbytes:
+            return None
+        mine = f"{frames.OP_NAMES.get(self.op, self.op)} of {self.count} x {dtype_name(self.dtype)}"
+        theirs = f"{frames.OP_NAMES.get(op, op)} of {count} x {dtype_name(dtype)}"
+        if op != self.op:
+            why = "the ranks called different collectives (or the same ones in a different order)"
+        elif dtype != self.dtype:
+            why = "the arrays have different dtypes on different ranks"
+        elif redop != self.redop:
+            why = "the ranks passed different reduce ops"
+        else:
+            why = (f"the arrays have different sizes on different ranks ({nbytes} bytes sent, "
+                   f"{self.nbytes} expected)")
+        return f"mismatched collective: {peer} sent {theirs}, but this rank is in {mine}: {why}"
+
+
+class PeerConnection:
+    """The connection to one peer; frames are read by whoever holds ``read_lock``."""
+
+    def __init__(self, peer: int, sock: socket.socket, address: str):
+        self.peer = peer
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.address = address
+        self.send_lock = threading.Lock()
+        self.read_lock = threading.Lock()
+        self.failed: Optional[DistBackendError] = None
+        self.posted: Dict[Tuple[int, int], Slot] = {}
+        self.unexpected: Dict[Tuple[int, int], Tuple[tuple, bytearray]] = {}
+        self.p2p_posted: Dict[int, Deque[Slot]] = collections.defaultdict(collections.deque)
+        self.p2p_unexpected: Dict[int, Deque[Tuple[tuple, bytearray]]] = collections.defaultdict(collections.deque)
+        self.header = bytearray(frames.HEADER_SIZE)
+        self.poller = select.poll()
+        self.poller.register(self.fd, _POLLIN)
+
+    def name(self) -> str:
+        return f"rank {self.peer} ({self.address})"
+
+
+class Mesh:
+    """The connections of one process group (or of one interface of it)."""
+
+    def __init__(self, rank: int, size: int, timeout_s: float, mesh_id: int, label: str):
+        self.rank = rank
+        self.size = size
+        self.timeout_s = timeout_s
+        self.mesh_id = mesh_id
+        self.label = label
+        self.conns: List[Optional[PeerConnection]] = [None] * size
+        self.by_fd: Dict[int, PeerConnection] = {}
+        self.match_lock = threading.Lock()
+        self.any_p2p: Dict[int, Deque[Slot]] = collections.defaultdict(collections.deque)
+        self.error: Optional[DistBackendError] = None
+        self.closed = False
+        self.listener: Optional[socket.socket] = None
+        self._epoll = select.epoll()
+        self._wake_r, self._wake_w = os.pipe()
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._progress: Optional[threading.Thread] = None
+
+    # -- establishing ----------------------------------------------------------------------------
+
+    def connect_all(self, addresses: Sequence[Tuple[str, int]], deadline: Deadline) -> None:
+        """Connect to every lower rank, accept every higher one, start the progress thread."""
+        hello = frames.pack(HELLO, 0, 0, 0, 0, 0, 0, frames.HELLO_PAYLOAD.size) + \
+            frames.HELLO_PAYLOAD.pack(self.rank, self.mesh_id)
+        for peer in range(self.rank):
+            host, port = addresses[peer]
+            sock = self._connect(peer, host, port, deadline)
+            sock.sendall(hello)
+            self._add(peer, sock, endpoint(host, port))
+        expected = set(range(self.rank + 1, self.size))
+        while expected:
+            sock, peer_addr = self._accept(expected, deadline)
+            peer = self._read_hello(sock, deadline)
+            if peer is None or peer not in expected:
+                sock.close()
+                continue
+            expected.discard(peer)
+            self._add(peer, sock, endpoint(addresses[peer][0], addresses[peer][1]))
+        self._progress = threading.Thread(target=self._progress_loop, name=f"distlib-progress-{self.label}",
+                                          daemon=True)
+        self._progress.start()
+
+    def _connect(self, peer: int, host: str, port: int, deadline: Deadline) -> socket.socket:
+        delay = 0.01
+        last = "no attempt"
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=max(0.01, min(5.0, deadline.remaining())))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.settimeout(None)
+                return sock
+            except OSError as exc:
+                from ..store.tcp.connect import classify
+
+                last = classify(exc)
+            if deadline.expired():
+                raise DistNetworkError(
+                    f"{self.label}: rank {self.rank} could not connect to rank {peer} at {endpoint(host, port)} "
+                    f"within {format_duration(deadline.seconds)}: {last}. The address is the one rank {peer} "
+                    f"advertised; if it is unreachable from here set GLOO_SOCKET_IFNAME on rank {peer}, "
+                    f"and check firewalls (DISTLIB_PORT_RANGE confines the ports)")
+            time.sleep(min(delay, deadline.remaining()))
+            delay = min(0.5, delay * 2)
+
+    def _accept(self, expected, deadline: Deadline):
+        while True:
+            left = deadline.remaining()
+            ready, _, _ = select.select([self.listener], [], [], left)
+            if ready:
+                sock, addr = self.listener.accept()
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                return sock, addr
+            if deadline.expired():
+                missing = ", ".join(str(r) for r in sorted(expected))
+                raise DistNetworkError(
+                    f"{self.label}: rank {self.rank} waited {format_duration(deadline.seconds)} for ranks {missing} "
+                    f"to connect to {endpoint(*self.listener.getsockname()[:2])}; they published their addresses "
+                    f"but never connected (a firewall, or this rank's advertised address is unreachable from "
+                    f"them: set GLOO_SOCKET_IFNAME)")
+
+    def _read_hello(self, sock: socket.socket, deadline: Deadline) -> Optional[int]:
+        want = frames.HEADER_SIZE + frames.HELLO_PAYLOAD.size
+        data = b""
+        sock.settimeout(max(0.01, min(5.0, deadline.remaining())))
+        try:
+            while len(data) < want:
+                chunk = sock.recv(want - len(data))
+                if not chunk:
+                    return None
+                data += chunk
+        except OSError:
+            return None
+        finally:
+            sock.settimeout(None)
+        kind = data[0]
+        peer, mesh_id = frames.HELLO_PAYLOAD.unpack_from(data, frames.HEADER_SIZE)
+        if kind != HELLO or mesh_id != self.mesh_id or not 0 <= peer < self.size:
+            log.warning("%s: refused a connection that is not from this group (kind %d, mesh %x)",
+                        self.label, kind, mesh_id)
+            return None
+        return peer
+
+    def _add(self, peer: int, sock: socket.socket, address: str) -> None:
+        # Blocking sockets with kernel timeouts: one recv_into(MSG_WAITALL) reads a whole
+        # payload and one sendmsg sends a whole frame (no poll-and-retry per chunk), while
+        # every call still returns within SLICE to check the deadline and the mesh state.
+        sock.setblocking(True)
+        timeval = struct.pack("ll", int(SLICE), int((SLICE % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        conn = PeerConnection(peer, sock, address)
+        self.conns[peer] = conn
+        self.by_fd[conn.fd] = conn
+        self._epoll.register(conn.fd, _EPOLLIN_ONCE)
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def send(self, peer: int, header: bytes, payload: memoryview, deadline: Deadline, what: str) -> None:
+        """Send one frame to ``peer`` (header + payload, no copy of the payload)."""
+        conn = self._conn(peer, what)
+        with conn.send_lock:
+            self._check(conn)
+            sock = conn.sock
+            pending = [memoryview(header)]
+            if payload.nbytes:
+                pending.append(payload.cast("B") if payload.format != "B" else payload)
+            while pending:
+                try:
+                    sent = sock.sendmsg(pending)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0  # a SLICE passed with the peer's window closed
+                except OSError as exc:
+                    raise self._send_failed(conn, what, exc) from None
+                while sent and pending:
+                    head = pending[0]
+                    if sent >= head.nbytes:
+                        sent -= head.nbytes
+                        pending.pop(0)
+                    else:
+                        pending[0] = head[sent:]
+                        sent = 0
+                if pending:
+                    if self.error is not None:
+                        raise self.error
+                    if deadline.expired():
+                        raise self._timeout(conn, f"sending {what} (the peer is not reading)", deadline)
+
+    def _send_failed(self, conn: PeerConnection, what: str, exc: Optional[OSError]) -> DistBackendError:
+        error = self._peer_lost(conn, f"sending {what}", exc)
+        self.abort(error)
+        return error
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    def post_data(self, peer: int, seq: int, step: int, view: memoryview, op: int, dtype: int, redop: int,
+                  count: int, what: str) -> Slot:
+        """Post the receive of a collective's frame ``(seq, step)`` from ``peer``."""
+        conn = self._conn(peer, what)
+        slot = Slot(view, DATA, op, dtype, redop, count, what)
+        slot.conn = conn
+        key = (seq & 0xFFFFFFFF, step & 0xFFFFFFFF)
+        # Data that already arrived is good even if the peer has since closed (it finished).
+        with self.match_lock:
+            early = conn.unexpected.pop(key, None)
+            if early is None:
+                if conn.failed is None:
+                    conn.posted[key] = slot
+                    return slot
+        if early is None:
+            self._check(conn)
+        self._fill_from_early(conn, slot, *early)
+        return slot
+
+    def post_p2p(self, peer: int, tag: int, view: memoryview, dtype: int, count: int, what: str) -> Slot:
+        """Post a point-to-point receive from ``peer`` (or ANY_SOURCE) with ``tag``."""
+        slot = Slot(view, P2P, frames.OPS["send"], dtype, 0, count, what)
+        tag &= 0xFFFFFFFF
+        if self.error is not None:
+            raise self.error
+        with self.match_lock:
+            if peer == ANY_SOURCE:
+                for conn in self.conns:
+                    if conn is not None and conn.p2p_unexpected.get(tag):
+                        early = conn.p2p_unexpected[tag].popleft()
+                        break
+                else:
+                    self.any_p2p[tag].append(slot)
+                    return slot
+            else:
+                conn = self._conn(peer, what)
+                slot.conn = conn
+                queue = conn.p2p_unexpected.get(tag)
+                if not queue:
+                    if conn.failed is None:
+                        conn.p2p_posted[tag].append(slot)
+                        return slot
+                    early = None
+                else:
+                    early = queue.popleft()
+        if early is None:
+            self._check(conn)
+        self._fill_from_early(conn, slot, *early)
+        return slot
+
+    def _fill_from_early(self, conn: PeerConnection, slot: Slot, header: tuple, data: bytearray) -> None:
+        kind, op, dtype, redop, seq, step, count, nbytes = header
+        problem = slot.mismatch(op, dtype, redop, nbytes, count, conn.name())
+        if problem:
+            self._mismatch(slot, problem)
+            raise slot.error
+        if nbytes:
+            slot.view[:] = data
+        slot.complete(conn.peer)
+
+    def wait(self, slot: Slot, deadline: Deadline) -> int:
+        """Block until ``slot`` is filled; return the sender's rank (group-local)."""
+        conn = slot.conn
+        while not slot.done:
+            if conn is not None and conn.read_lock.acquire(blocking=False):
+                try:
+                    self._read_until(conn, slot, deadline)
+                finally:
+                    conn.read_lock.release()
+                    self._rearm(conn)
+            elif not slot.event.wait(min(0.01, max(0.0, deadline.remaining()))):
+                if deadline.expired() and not slot.done:
+                    self._give_up(slot, deadline)
+        if slot.error is not None:
+            self.abort(slot.error)  # this operation failed: tell the other ranks
+            raise slot.error
+        return slot.source
+
+    def try_wait(self, slot: Slot, deadline: Deadline) -> bool:
+        """Like wait, but a deadline that passes withdraws the receive and returns False
+        instead of aborting the group (monitored_barrier's "who did not come")."""
+        conn = slot.conn
+        while not slot.done:
+            if deadline.expired():
+                with self.match_lock:
+                    for key, posted in list(conn.posted.items()) if conn is not None else ():
+                        if posted is slot:
+                            del conn.posted[key]
+                            return False
+                # not posted any more: a reader is filling it right now
+            if conn is not None and conn.read_lock.acquire(blocking=False):
+                try:
+                    self._read_until(conn, slot, deadline, give_up=False)
+                finally:
+                    conn.read_lock.release()
+                    self._rearm(conn)
+            else:
+                slot.event.wait(min(0.01, max(0.001, deadline.remaining())))
+        if slot.error is not None:
+            raise slot.error
+        return True
+
+    def _read_until(self, conn: PeerConnection, slot: Slot, deadline: Deadline, give_up: bool = True) -> None:
+        while not slot.done:
+            left = deadline.remaining()
+            if left <= 0:
+                if give_up:
+                    self._give_up(slot, deadline)
+                return
+            if not conn.poller.poll(min(left, 1.0) * 1000):
+                if self.error is not None:
+                    slot.fail(self.error)
+                continue
+            self._read_frame(conn)
+
+    def _give_up(self, slot: Slot, deadline: Deadline) -> None:
+        who = slot.conn.name() if slot.conn is not None else "any rank"
+        error = DistBackendError(
+            f"{self.label}: rank {self.rank} timed out after {format_duration(deadline.seconds)} waiting for "
+            f"{slot.what} from {who}: that rank is slow, stuck in another operation, or unreachable. "
+            f"The group is aborted; destroy it and init again")
+        self.abort(error)
+        slot.fail(error)
+
+    # -- reading frames (the caller holds conn.read_lock) ---------------------------------------
+
+    def _recv_into(self, conn: PeerConnection, view: memoryview, what: str) -> None:
+        """Fill ``view`` from the socket; the sender is mid-frame, so bytes come promptly."""
+        deadline = None
+        sock = conn.sock
+        while view.nbytes:
+            try:
+                n = sock.recv_into(view, view.nbytes, socket.MSG_WAITALL)
+            except (BlockingIOError, InterruptedError):
+                n = -1  # a SLICE passed without data
+            except OSError as exc:
+                raise self._peer_lost(conn, f"receiving {what}", exc) from None
+            if n == 0:
+                raise self._peer_lost(conn, f"receiving {what}", None)
+            if n > 0:
+                view = view[n:]
+                continue
+            if self.closed or self.error is not None:
+                raise self.error or _ConnectionLost(f"{self.label}: closed")
+            deadline = deadline or Deadline(self.timeout_s)
+            if deadline.expired():
+                raise self._timeout(conn, f"the rest of {what}", deadline)
+
+    def _read_frame(self, conn: PeerConnection) -> None:
+        """Read one frame from ``conn`` and deliver it; on failure abort the mesh."""
+        try:
+            header = memoryview(conn.header)
+            self._recv_into(conn, header, "a frame header")
+            fields = frames.unpack(conn.header)
+            kind, op, dtype, redop, seq, step, count, nbytes = fields
+            if kind == ABORT:
+                text = bytearray(nbytes)
+                self._recv_into(conn, memoryview(text), "an abort message")
+                origin = seq  # the rank that detected the failure
+                reporter = self.conns[origin].name() if 0 <= origin < self.size and self.conns[origin] \
+                    else f"rank {origin}"
+                message = text.decode("utf-8", "replace")
+                self._fail_everything(DistBackendError(f"{message} (reported by {reporter})"), message, origin)
+                return
+            if kind not in (DATA, P2P):
+                raise DistBackendError(f"{self.label}: {conn.name()} sent an unknown frame kind {kind}")
+            with self.match_lock:
+                slot = self._take_slot(conn, kind, seq, step)
+            if slot is not None:
+                problem = slot.mismatch(op, dtype, redop, nbytes, count, conn.name())
+                if problem:
+                    self._mismatch(slot, problem)
+                    return
+                if nbytes:
+                    self._recv_into(conn, slot.view, slot.what)
+                slot.complete(conn.peer)
+                return
+            data = bytearray(nbytes)
+            if nbytes:
+                self._recv_into(conn, memoryview(data), "an early frame")
+            with self.match_lock:
+                slot = self._take_slot(conn, kind, seq, step)
+                if slot is None:
+                    if kind == DATA:
+                        conn.unexpected[(seq, step)] = (fields, data)
+                    else:
+                        conn.p2p_unexpected[seq].append((fields, data))
+                    return
+            problem = slot.mismatch(op, dtype, redop, nbytes, count, conn.name())
+            if problem:
+                self._mismatch(slot, problem)
+                return
+            if nbytes:
+                slot.view[:] = data
+            slot.complete(conn.peer)
+        except _ConnectionLost:
+            pass  # _peer_lost failed whatever waited on this connection
+        except DistBackendError as error:
+            self.abort(error)
+
+    def _mismatch(self, slot: Slot, problem: str) -> None:
+        """A frame does not fit the receive it matched: fail that receive (already taken out
+        of the table) and abort the mesh, so every rank learns why. The frame's payload stays
+        unread: the connection is not used again."""
+        error = DistBackendError(f"{self.label}: {problem}")
+        slot.fail(error)
+        self.abort(error)
+
+    def _take_slot(self, conn: PeerConnection, kind: int, seq: int, step: int) -> Optional[Slot]:
+        if kind == DATA:
+            return conn.posted.pop((seq, step), None)
+        queue = conn.p2p_posted.get(seq)
+        if queue:
+            return queue.popleft()
+        queue = self.any_p2p.get(seq)
+        if queue:
+            slot = queue.popleft()
+            slot.conn = conn
+            return slot
+        return None
+
+    # -- the progress thread ---------------------------------------------------------------------
+
+    def _progress_loop(self) -> None:
+        while not self.closed:
+            try:
+                events = self._epoll.poll(-1)
+            except InterruptedError:
+                continue
+            except (OSError, ValueError):
+                return
+            for fd, _ in events:
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 64)
+                    except OSError:
+                        pass
+                    continue
+                conn = self.by_fd.get(fd)
+                if conn is None or conn.failed is not None:
+                    continue
+                if not conn.read_lock.acquire(blocking=False):
+                    continue  # a waiting thread is reading it; it re-arms when done
+                try:
+                    while conn.failed is None and self.error is None and not self.closed and conn.poller.poll(0):
+                        self._read_frame(conn)
+                finally:
+                    conn.read_lock.release()
+                    self._rearm(conn)
+
+    def _rearm(self, conn: PeerConnection) -> None:
+        if conn.failed is None and not self.closed:
+            try:
+                self._epoll.modify(conn.fd, _EPOLLIN_ONCE)
+            except (OSError, ValueError):
+                pass
+
+    # -- failure ---------------------------------------------------------------------------------
+
+    def _conn(self, peer: int, what: str) -> PeerConnection:
+        if self.error is not None:
+            raise self.error
+        conn = self.conns[peer] if 0 <= peer < self.size else None
+        if conn is None:
+            raise DistBackendError(f"{self.label}: rank {self.rank} has no connection to rank {peer} ({what})")
+        return conn
+
+    def _check(self, conn: PeerConnection) -> None:
+        if self.error is not None:
+            raise self.error
+        if conn.failed is not None:
+            self.abort(conn.failed)  # an operation needs a peer that is gone: it fails for all
+            raise conn.failed
+
+    def _peer_lost(self, conn: PeerConnection, doing: str, exc: Optional[OSError]) -> "_ConnectionLost":
+        """The connection to one peer is gone: fail what waits on it (not the whole mesh: a
+        peer that finished and destroyed its group closes its connections while others are
+        still busy with each other). An operation that needed the peer fails, and that
+        failure aborts the mesh."""
+        cause = "closed the connection" if exc is None or exc.errno in (errno.EPIPE, errno.ECONNRESET) \
+            else f"connection failed ({exc.strerror})"
+        error = _ConnectionLost(
+            f"{self.label}: {conn.name()} {cause} while rank {self.rank} was {doing}: "
+            f"rank {conn.peer} died, was killed, or destroyed its process group")
+        with self.match_lock:
+            if conn.failed is None:
+                conn.failed = error
+            slots = list(conn.posted.values())
+            conn.posted.clear()
+            for queue in conn.p2p_posted.values():
+                slots.extend(queue)
+            conn.p2p_posted.clear()
+        log.debug("%s", error)
+        for slot in slots:
+            slot.fail(conn.failed)
+        return conn.failed
+
+    def _timeout(self, conn: PeerConnection, doing: str, deadline: Deadline) -> DistBackendError:
+        error = DistBackendError(
+            f"{self.label}: rank {self.rank} timed out after {format_duration(deadline.seconds)} {doing} "
+            f"with {conn.name()}")
+        self.abort(error)
+        return error
+
+    def abort(self, error: DistBackendError) -> None:
+        """Tell every peer why, then fail every pending and later operation with ``error``."""
+        self._fail_everything(error, str(error), self.rank)
+
+    def _fail_everything(self, error: DistBackendError, message: str, origin: int) -> None:
+        """Fail everything with ``error`` and pass the ABORT on to every peer.
+
+        A rank that receives an ABORT forwards it too, before it can close anything: each
+        connection delivers in order, so every rank reads the original reason before it could
+        see any connection close because another rank gave up (the reason, not a symptom)."""
+        with self.match_lock:
+            if self.error is not None:
+                return
+            self.error = error
+            slots: List[Slot] = []
+            for conn in self.conns:
+                if conn is None:
+                    continue
+                slots.extend(conn.posted.values())
+                conn.posted.clear()
+                for queue in conn.p2p_posted.values():
+                    slots.extend(queue)
+                conn.p2p_posted.clear()
+            for queue in self.any_p2p.values():
+                slots.extend(queue)
+            self.any_p2p.clear()
+        log.error("%s: aborting: %s", self.label, error)
+        data = message.encode("utf-8")
+        frame = frames.pack(ABORT, 0, 0, 0, origin, 0, 0, len(data)) + data
+        for conn in self.conns:
+            if conn is None or conn.failed is not None or conn.peer == origin:
+                continue
+            try:
+                if conn.send_lock.acquire(timeout=0.5):
+                    try:
+                        conn.sock.send(frame)
+                    finally:
+                        conn.send_lock.release()
+            except OSError:
+                pass
+        for slot in slots:
+            slot.fail(error)
+
+    def close(self) -> None:
+        """Close every connection and stop the progress thread (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self._progress is not None and self._progress is not threading.current_thread():
+            self._progress.join(2.0)
+        for conn in self.conns:
+            if conn is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
+                except OSError:
+                    pass
+                try:
+                    conn.sock.close()
+                except OSError:
+                    pass
+        if self.listener is not None:
+            self.listener.close()
+        self._epoll.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with self.match_lock:
+            if self.error is None:
+                self.error = DistBackendError(f"{self.label}: the process group was destroyed")

@@ -1,0 +1,425 @@
+"""Functions that run on every rank of a WorkerPool (module-level so they pickle by reference).
+
+Every rank builds every rank's input deterministically, so each rank checks its own result
+against a numpy reference computed locally; results also come back as hashes so the parent
+can check that every rank holds bit-identical data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from datetime import timedelta
+
+import numpy as np
+
+import distlib as dist
+from distlib import ReduceOp
+
+ALL_DTYPES = ["bool", "int8", "uint8", "int16", "int32", "uint32", "int64", "uint64", "float16", "float32",
+              "float64", "complex64", "complex128"]
+SIZES = [0, 1, 7, 1003, 70_001, 300_007]
+
+
+def valid(op_name: str, dtype: str) -> bool:
+    kind = np.dtype(dtype).kind
+    if op_name in ("BAND", "BOR", "BXOR"):
+        return kind in "iub"
+    if op_name in ("AVG", "PREMUL_SUM"):
+        return kind in "fc"
+    if op_name in ("MIN", "MAX"):
+        return kind != "c"
+    return True
+
+
+def make_input(rank: int, dtype: str, n: int, op_name: str = "SUM") -> np.ndarray:
+    rng = np.random.default_rng(1000 + 31 * rank + n)
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return rng.integers(0, 2, n).astype(bool)
+    if dt.kind in "iu":
+        low = 0 if dt.kind == "u" else -4
+        return rng.integers(low, 5, n).astype(dt)
+    if op_name == "PRODUCT":
+        values = rng.uniform(0.5, 1.5, n)
+    else:
+        values = rng.standard_normal(n)
+    if dt.kind == "c":
+        values = values + 1j * (rng.uniform(0.5, 1.5, n) if op_name == "PRODUCT" else rng.standard_normal(n))
+    return values.astype(dt)
+
+
+def reference(op_name: str, inputs, factor: float = 2.0) -> np.ndarray:
+    stack = np.stack(inputs)
+    dt = stack.dtype
+    if dt == np.bool_:
+        fn = {"SUM": np.logical_or, "MAX": np.logical_or, "BOR": np.logical_or, "PRODUCT": np.logical_and,
+              "MIN": np.logical_and, "BAND": np.logical_and, "BXOR": np.logical_xor}[op_name]
+        return fn.reduce(stack, axis=0)
+    if op_name == "SUM":
+        return np.sum(stack, axis=0, dtype=dt)
+    if op_name == "AVG":
+        return (np.sum(stack, axis=0, dtype=dt) / len(inputs)).astype(dt)
+    if op_name == "PREMUL_SUM":
+        return np.sum(stack * dt.type(factor), axis=0, dtype=dt)
+    if op_name == "PRODUCT":
+        return np.prod(stack, axis=0, dtype=dt)
+    if op_name == "MIN":
+        return np.min(stack, axis=0)
+    if op_name == "MAX":
+        return np.max(stack, axis=0)
+    return {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op_name].reduce(stack, axis=0)
+
+
+def close(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.dtype.kind in "fc":
+        rtol = {2: 2e-2, 4: 1e-4, 8: 1e-10, 16: 1e-4}.get(a.dtype.itemsize, 1e-4)
+        if a.dtype.kind == "c":
+            rtol = 1e-4 if a.dtype.itemsize == 8 else 1e-10
+        return bool(np.allclose(a, b, rtol=rtol, atol=rtol * 10, equal_nan=True))
+    return bool(np.array_equal(a, b))
+
+
+def digest(array: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def as_op(op_name: str):
+    if op_name == "PREMUL_SUM":
+        return dist._make_nccl_premul_sum(2.0)
+    return getattr(ReduceOp, op_name)
+
+
+# -- cases ----------------------------------------------------------------------------------------
+
+
+def all_reduce_matrix(rank, ws, op_name, dtypes, sizes):
+    """Run all_reduce for every (dtype, size); return [(dtype, size, ok, digest)]."""
+    out = []
+    for dtype in dtypes:
+        if not valid(op_name, dtype):
+            continue
+        for n in sizes:
+            inputs = [make_input(r, dtype, n, op_name) for r in range(ws)]
+            array = inputs[rank].copy()
+            dist.all_reduce(array, op=as_op(op_name))
+            out.append((dtype, n, close(array, reference(op_name, inputs)), digest(array)))
+    return out
+
+
+def reduce_matrix(rank, ws, op_name, dtypes, sizes, root):
+    out = []
+    for dtype in dtypes:
+        if not valid(op_name, dtype):
+            continue
+        for n in sizes:
+            inputs = [make_input(r, dtype, n, op_name) for r in range(ws)]
+            array = inputs[rank].copy()
+            dist.reduce(array, dst=root, op=as_op(op_name))
+            if rank == root:
+                ok = close(array, reference(op_name, inputs))
+            else:
+                ok = np.array_equal(array, inputs[rank])  # non-roots' input is left alone
+            out.append((dtype, n, bool(ok)))
+    return out
+
+
+def reduce_scatter_matrix(rank, ws, op_name, dtypes, sizes):
+    out = []
+    for dtype in dtypes:
+        if not valid(op_name, dtype):
+            continue
+        for n in sizes:
+            inputs = [make_input(r, dtype, n * ws, op_name) for r in range(ws)]
+            full = reference(op_name, inputs)
+            expect = full[rank * n:(rank + 1) * n]
+            output = np.empty(n, np.dtype(dtype))
+            source = inputs[rank].copy()
+            dist.reduce_scatter_tensor(output, source, op=as_op(op_name))
+            ok_tensor = close(output, expect) and np.array_equal(source, inputs[rank])
+            output2 = np.empty(n, np.dtype(dtype))
+            dist.reduce_scatter(output2, [inputs[rank][k * n:(k + 1) * n].copy() for k in range(ws)],
+                                op=as_op(op_name))
+            out.append((dtype, n, bool(ok_tensor), close(output2, expect)))
+    return out
+
+
+def broadcast_cases(rank, ws, dtypes, sizes):
+    out = []
+    for root in sorted({0, ws - 1}):
+        for dtype in dtypes:
+            for n in sizes:
+                data = make_input(root, dtype, n).reshape(-1)
+                array = data.copy() if rank == root else np.zeros(n, np.dtype(dtype))
+                dist.broadcast(array, src=root)
+                out.append((root, dtype, n, bool(np.array_equal(array, data))))
+    return out
+
+
+def gather_family(rank, ws, dtype, n):
+    """all_gather, all_gather_into_tensor, gather (to every root), scatter (from every root)."""
+    mine = make_input(rank, dtype, n)
+    everyone = [make_input(r, dtype, n) for r in range(ws)]
+    results = {}
+    outputs = [np.empty(n, np.dtype(dtype)) for _ in range(ws)]
+    dist.all_gather(outputs, mine)
+    results["all_gather"] = all(np.array_equal(o, e) for o, e in zip(outputs, everyone))
+    flat = np.empty(n * ws, np.dtype(dtype))
+    dist.all_gather_into_tensor(flat, mine)
+    results["all_gather_into_tensor"] = bool(np.array_equal(flat, np.concatenate(everyone)))
+    gather_ok, scatter_ok = True, True
+    for root in range(ws):
+        gathered = [np.empty(n, np.dtype(dtype)) for _ in range(ws)] if rank == root else None
+        dist.gather(mine, gathered, dst=root)
+        if rank == root:
+            gather_ok &= all(np.array_equal(o, e) for o, e in zip(gathered, everyone))
+        pieces = [make_input(100 + k, dtype, n) for k in range(ws)]
+        received = np.empty(n, np.dtype(dtype))
+        dist.scatter(received, pieces if rank == root else None, src=root)
+        scatter_ok &= bool(np.array_equal(received, pieces[rank]))
+    results["gather"] = gather_ok
+    results["scatter"] = scatter_ok
+    return results
+
+
+def all_to_all_cases(rank, ws, dtype, n):
+    results = {}
+    inputs = [np.full(n, 100 * rank + k, np.dtype(dtype)) for k in range(ws)]
+    outputs = [np.empty(n, np.dtype(dtype)) for _ in range(ws)]
+    dist.all_to_all(outputs, inputs)
+    results["all_to_all"] = all(np.array_equal(outputs[k], np.full(n, 100 * k + rank, np.dtype(dtype)))
+                                for k in range(ws))
+    # equal splits of dim 0, rows of 3 elements
+    rows = 2 * ws
+    src = np.arange(rows * 3, dtype=np.dtype(dtype)).reshape(rows, 3) + 1000 * rank
+    dst = np.empty_like(src)
+    dist.all_to_all_single(dst, src)
+    expect = np.concatenate([(np.arange(rows * 3).reshape(rows, 3) + 1000 * k)[2 * rank:2 * rank + 2]
+                             for k in range(ws)]).astype(np.dtype(dtype))
+    results["all_to_all_single"] = bool(np.array_equal(dst, expect))
+    # uneven splits: rank r sends (k + r) % 3 rows to rank k
+    send_splits = [(k + rank) % 3 for k in range(ws)]
+    recv_splits = [(rank + k) % 3 for k in range(ws)]
+    src = np.concatenate([np.full((send_splits[k], 2), 10 * rank + k) for k in range(ws)]).astype(np.dtype(dtype)) \
+        if sum(send_splits) else np.empty((0, 2), np.dtype(dtype))
+    dst = np.empty((sum(recv_splits), 2), np.dtype(dtype))
+    dist.all_to_all_single(dst, src, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+    expect = np.concatenate([np.full((recv_splits[k], 2), 10 * k + rank) for k in range(ws)]).astype(np.dtype(dtype)) \
+        if sum(recv_splits) else np.empty((0, 2), np.dtype(dtype))
+    results["all_to_all_single_uneven"] = bool(np.array_equal(dst, expect))
+    return results
+
+
+def barrier_cases(rank, ws):
+    dist.barrier()
+    work = dist.barrier(async_op=True)
+    work.wait()
+    dist.monitored_barrier(timeout=timedelta(seconds=10))
+    dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
+    return True
+
+
+def p2p_cases(rank, ws):
+    """A ring of send/recv, an any-source recv at rank 0, isend/irecv in both orders, tags."""
+    if ws == 1:
+        return {"skipped": True}
+    right, left = (rank + 1) % ws, (rank - 1) % ws
+    results = {}
+    # ring: even ranks send first, odd ranks receive first (blocking calls)
+    buf = np.empty(5, np.int64)
+    if rank % 2 == 0:
+        dist.send(np.full(5, rank, np.int64), dst=right)
+        dist.recv(buf, src=left)
+    else:
+        dist.recv(buf, src=left)
+        dist.send(np.full(5, rank, np.int64), dst=right)
+    results["ring"] = bool(np.all(buf == left))
+    # isend/irecv both directions at once, large (no deadlock whatever the order)
+    big = np.full(1 << 20, rank, np.float32)
+    got = np.empty(1 << 20, np.float32)
+    if rank % 2:
+        reqs = [dist.isend(big, right), dist.irecv(got, left)]
+    else:
+        reqs = [dist.irecv(got, left), dist.isend(big, right)]
+    for req in reqs:
+        req.wait()
+    results["isend_irecv"] = bool(np.all(got == left)) and all(r.is_completed() and r.is_success() for r in reqs)
+    # tags keep messages apart: send tag 7 then tag 3; receive tag 3 first
+    if rank == 0:
+        a, b = np.empty(1, np.int32), np.empty(1, np.int32)
+        wb = dist.irecv(b, src=1, tag=3)
+        wa = dist.irecv(a, src=1, tag=7)
+        wb.wait()
+        wa.wait()
+        results["tags"] = (int(a[0]), int(b[0])) == (7, 3)
+    elif rank == 1:
+        dist.send(np.array([7], np.int32), dst=0, tag=7)
+        dist.send(np.array([3], np.int32), dst=0, tag=3)
+    # any source: every other rank sends its rank to 0
+    if rank == 0:
+        senders = set()
+        for _ in range(ws - 1):
+            box = np.empty(1, np.int64)
+            src = dist.recv(box, src=None, tag=11)
+            senders.add((src, int(box[0])))
+        results["any_source"] = senders == {(r, r) for r in range(1, ws)}
+    else:
+        dist.send(np.array([rank], np.int64), dst=0, tag=11)
+    # batch_isend_irecv ring exchange
+    send_buf = np.full(3, rank, np.float64)
+    recv_buf = np.empty(3, np.float64)
+    ops = [dist.P2POp(dist.isend, send_buf, right), dist.P2POp(dist.irecv, recv_buf, left)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    results["batch"] = bool(np.all(recv_buf == left))
+    dist.barrier()
+    return results
+
+
+def async_ordering(rank, ws):
+    """Async operations on one group run in issue order; Work and Future behave."""
+    a = np.ones(1000, np.float64)
+    works = [dist.all_reduce(a, async_op=True) for _ in range(5)]
+    fut = works[-1].get_future()
+    results = {"value": None}
+    fut_value = fut.wait()
+    for w in works:
+        w.wait()
+    results["value"] = float(a[0])  # ws ** 5
+    results["completed"] = all(w.is_completed() and w.is_success() and w.exception() is None for w in works)
+    results["future_value_is_array"] = fut_value[0] is a
+    chained = works[0].get_future().then(lambda f: "chained")
+    results["then"] = chained.wait()
+    # a sync op after pending async ones waits for them (ordering)
+    b = np.ones(10, np.int64)
+    w1 = dist.all_reduce(b, async_op=True)
+    dist.all_reduce(b)
+    w1.wait()
+    results["sync_after_async"] = int(b[0])  # ws ** 2
+    # async broadcast then sync all_reduce
+    c = np.full(4, rank, np.float32)
+    w2 = dist.broadcast(c, src=0, async_op=True)
+    dist.all_reduce(c)
+    w2.wait()
+    results["broadcast_then_reduce"] = float(c[0])  # 0 * ws
+    return results
+
+
+def object_cases(rank, ws):
+    results = {}
+    objs = [{"rank": rank, "list": list(range(rank))}, f"s{rank}"] if rank == 0 else [None, None]
+    dist.broadcast_object_list(objs, src=0)
+    results["broadcast_object_list"] = objs == [{"rank": 0, "list": []}, "s0"]
+    gathered = [None] * ws
+    dist.all_gather_object(gathered, ("obj", rank, "x" * rank))
+    results["all_gather_object"] = gathered == [("obj", r, "x" * r) for r in range(ws)]
+    target = [None] * ws if rank == ws - 1 else None
+    dist.gather_object({"r": rank}, target, dst=ws - 1)
+    if rank == ws - 1:
+        results["gather_object"] = target == [{"r": r} for r in range(ws)]
+    out = [None]
+    dist.scatter_object_list(out, [f"item{k}" * (k + 1) for k in range(ws)] if rank == 0 else None, src=0)
+    results["scatter_object_list"] = out[0] == f"item{rank}" * (rank + 1)
+    return results
+
+
+def bad_input_errors(rank, ws):
+    """Each bad input raises before anything is sent; the group stays usable."""
+    errors = {}
+
+    def expect(name, exc_type, fn):
+        try:
+            fn()
+        except exc_type as exc:
+            errors[name] = str(exc)
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = f"WRONG TYPE {type(exc).__name__}: {exc}"
+        else:
+            errors[name] = "NO ERROR"
+
+    noncontig = np.zeros((4, 4), np.float32)[:, 1]
+    expect("non_contiguous", ValueError, lambda: dist.all_reduce(noncontig))
+    expect("object_dtype", TypeError, lambda: dist.all_reduce(np.array(["a"], dtype=object)))
+    expect("not_array", TypeError, lambda: dist.all_reduce([1, 2, 3]))
+    expect("bitwise_on_float", TypeError, lambda: dist.all_reduce(np.ones(3), op=ReduceOp.BAND))
+    expect("avg_on_int", TypeError, lambda: dist.all_reduce(np.ones(3, np.int32), op=ReduceOp.AVG))
+    expect("min_on_complex", TypeError, lambda: dist.all_reduce(np.ones(3, np.complex64), op=ReduceOp.MIN))
+    expect("list_length", ValueError, lambda: dist.all_gather([np.zeros(3)] * (ws + 1), np.zeros(3)))
+    expect("list_dtype", TypeError, lambda: dist.all_gather([np.zeros(3, np.int32)] * ws, np.zeros(3)))
+    expect("rank_out_of_range", ValueError, lambda: dist.broadcast(np.zeros(3), src=ws + 5))
+    expect("output_size", ValueError, lambda: dist.all_gather_into_tensor(np.zeros(ws * 3 + 1), np.zeros(3)))
+    expect("read_only", ValueError, lambda: dist.all_reduce(np.frombuffer(b"\0" * 8, np.float32)))
+    expect("send_to_self", ValueError, lambda: dist.send(np.zeros(1), dst=rank))
+    expect("splits", ValueError, lambda: dist.all_to_all_single(np.zeros(ws * 2), np.zeros(ws * 2),
+                                                                 input_split_sizes=[1] * (ws + 1)))
+    # still usable
+    a = np.ones(3)
+    dist.all_reduce(a)
+    errors["still_works"] = float(a[0]) == ws
+    return errors
+
+
+def mismatched_collectives(rank, ws, kind):
+    """On a fresh subgroup: ranks disagree; every rank must raise DistBackendError saying why."""
+    group = dist.new_group(list(range(ws)))
+    start = time.monotonic()
+    try:
+        if kind == "shape":
+            dist.all_reduce(np.ones(10 + rank, np.float32), group=group)
+        elif kind == "dtype":
+            dist.all_reduce(np.ones(10, np.float32 if rank == 0 else np.float64), group=group)
+        elif kind == "collective":
+            if rank == 0:
+                dist.all_reduce(np.ones(10, np.float32), group=group)
+            else:
+                dist.broadcast(np.ones(10, np.float32), src=0, group=group)
+        elif kind == "large_shape":
+            dist.all_reduce(np.ones(400_000 + rank, np.float32), group=group)
+        outcome = "no error"
+    except dist.DistBackendError as exc:
+        outcome = str(exc)
+    elapsed = time.monotonic() - start
+    # the broken subgroup is destroyed; the default group keeps working
+    dist.destroy_process_group(group)
+    check = np.ones(1)
+    dist.all_reduce(check)
+    return outcome, elapsed, float(check[0])
+
+
+def subgroup_cases(rank, ws, members):
+    group = dist.new_group(members)
+    results = {"in_group": rank in members}
+    if rank in members:
+        a = np.full(3, rank, np.int64)
+        dist.all_reduce(a, group=group)
+        results["sum"] = int(a[0])
+        results["group_rank"] = dist.get_rank(group)
+        results["group_size"] = dist.get_world_size(group)
+        results["ranks"] = dist.get_process_group_ranks(group)
+        results["global_of_0"] = dist.get_global_rank(group, 0)
+        results["group_of_me"] = dist.get_group_rank(group, rank)
+        b = np.full(2, rank, np.float32)
+        dist.broadcast(b, src=members[-1], group=group)
+        results["broadcast"] = float(b[0])
+        dist.destroy_process_group(group)
+    else:
+        import warnings
+
+        results["is_non_member"] = group is dist.GroupMember.NON_GROUP_MEMBER
+        results["rank"] = dist.get_rank(group)
+        results["size"] = dist.get_world_size(group)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results["collective_returns"] = dist.all_reduce(np.ones(3), group=group)
+        results["warned"] = any("does not belong to the given group" in str(w.message) for w in caught)
+    dist.barrier()
+    return results
+
+
+def world_info(rank, ws):
+    from distlib.distributed import get_default_group
+
+    return {
+        "rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
+        "initialized": dist.is_initialized(), "world_is_default": dist.GroupMember.WORLD is get_default_group(),
+    }

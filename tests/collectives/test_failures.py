@@ -1,0 +1,27 @@
+"""A rank dies mid-collective: the others raise DistBackendError naming it, well within the
+group timeout, and their processes exit (no hang, no thread keeping them alive)."""
+
+import socket
+
+from . import group_cases
+from .harness import spawn
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_killed_rank_is_named_by_the_others():
+    ws, victim = 3, 1
+    results = spawn(group_cases.killed_during_all_reduce, ws, free_port(), victim, timeout=120)
+    for rank, (code, outcome) in enumerate(results):
+        if rank == victim:
+            assert code == -9, f"the victim should have died by SIGKILL, exit {code}"
+            continue
+        assert code == 0, f"rank {rank} did not exit cleanly: {code} {outcome}"
+        status, (text, elapsed) = outcome
+        assert status == "ok"
+        assert f"rank {victim} (" in text and "closed the connection" in text, f"rank {rank}: {text}"
+        assert elapsed < 30, f"rank {rank} needed {elapsed:.1f}s (group timeout 60s)"

@@ -1,0 +1,92 @@
+"""Helpers for launcher tests that start real processes on localhost."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+#: Variables a cluster or an outer launcher may have set in the test runner's environment; the
+#: launcher would read them (that is its job), so the tests start from an environment without.
+_CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "JOB_COMPLETION_INDEX", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                 "DISTLIB_RUN_ID", "DISTLIB_EXTERNAL_STORE", "DISTLIB_INIT_METHOD", "VC_TASK_INDEX",
+                 "VK_TASK_INDEX", "OMP_NUM_THREADS")
+_CLUSTER_PREFIXES = ("PET_", "LWS_", "VC_")
+
+
+def clean_env(**extra: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _CLUSTER_VARS and not k.startswith(_CLUSTER_PREFIXES)}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_cmd(*args: str) -> List[str]:
+    return [sys.executable, "-m", "distlib.run", "--log-level", "INFO", *args]
+
+
+def run_launcher(*args: str, env: Optional[Dict[str, str]] = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(launcher_cmd(*args), env=env or clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_launcher(*args: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    return subprocess.Popen(launcher_cmd(*args), env=env or clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def store_server():
+    """A `distlib store-server` subprocess on a free port of 127.0.0.1; yields the port."""
+    from distlib.launcher.master import check_answers
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "distlib.cli", "store-server", "--host", "127.0.0.1",
+                             "--port", str(port)], env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        check_answers("127.0.0.1", port, 15)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie still answers kill(0): look at its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,371 @@
+"""Real launches on localhost: distlib-run processes, their workers, a store server, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from .conftest import clean_env, free_port, pid_alive, run_launcher, start_launcher, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+# A worker that reports its environment and rendezvous through env:// (distlib.rendezvous):
+# publishes a key, reads every rank's, and waits until all have read before leaving.
+EXCHANGE = textwrap.dedent("""
+    import json, os, sys
+    from datetime import timedelta
+    from distlib.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timedelta(seconds=30)))
+    names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_RUN_ID", "DISTLIB_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS"]
+    env = {k: os.environ.get(k) for k in names}
+    store.set(f"rank/{rank}", json.dumps({"pid": os.getpid(), "argv": sys.argv[1:]}))
+    seen = {r: json.loads(store.get(f"rank/{r}"))["pid"] for r in range(world)}
+    if store.add("done", 1) == world:
+        store.set("all_done", "1")
+    store.wait(["all_done"], timedelta(seconds=30))
+    # rank 0 may host the store: it leaves last, once every other rank has had its last reply
+    if rank == 0:
+        store.wait([f"left/{r}" for r in range(1, world)], timedelta(seconds=30))
+    else:
+        store.set(f"left/{rank}", "1")
+    # one write per report: the workers of a node share the launcher's stdout
+    report = json.dumps({"rank": rank, "world": world, "env": env, "store": type(store).__name__,
+                         "seen": sorted(seen)})
+    os.write(1, (report + "\\n").encode())
+""")
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def reports(stdout: str):
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_two_nodes_two_procs_static(tmp_path):
+    script = write(tmp_path, "exchange.py", EXCHANGE)
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--run-id", "static-test"]
+    nodes = [start_launcher(*common, "--node-rank", str(n), script, "--flag", "x y") for n in (1, 0)]
+    outs = []
+    for proc in nodes:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        outs.append((out, err))
+    got = {r["rank"]: r for out, _ in outs for r in reports(out)}
+    assert sorted(got) == [0, 1, 2, 3]
+    for rank, r in got.items():
+        env = r["env"]
+        assert env == {
+            "RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": str(rank // 2), "NODE_RANK": str(rank // 2), "GROUP_WORLD_SIZE": "2",
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": "static-test", "DISTLIB_RUN_ID": "static-test",
+            "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": "1",
+        }
+        assert r["seen"] == [0, 1, 2, 3] and r["world"] == 4
+        assert r["store"] == "TCPStore"  # rank 0 hosts it: no run-id prefix in static mode
+    # node 1's launcher printed the ranks of node 1 only
+    assert sorted(r["rank"] for r in reports(outs[0][0])) == [2, 3]
+    assert "node 1 of 2: starting 2 worker(s), global ranks 2..3 of 4" in outs[0][1]
+
+
+def test_c10d_node_rank_auto_three_nodes(tmp_path, store_server):
+    from distlib.store.tcp import TCPStore
+
+    script = write(tmp_path, "exchange.py", EXCHANGE)
+    run_id = f"auto-{uuid.uuid4().hex[:8]}"
+    args = ["--nnodes", "3", "--nproc-per-node", "1", "--node-rank", "auto", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{store_server}", "--run-id", run_id, script]
+    nodes = [start_launcher(*args) for _ in range(3)]
+    got = []
+    for proc in nodes:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert re.search(r"node rank \d taken from the master service", err)
+        got += reports(out)
+    assert sorted(int(r["env"]["GROUP_RANK"]) for r in got) == [0, 1, 2]
+    assert sorted(r["rank"] for r in got) == [0, 1, 2]
+    for r in got:
+        assert r["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert r["env"]["MASTER_PORT"] == str(store_server)
+        assert r["store"] == "PrefixStore"  # every rank a client, keys under the run id
+        assert r["seen"] == [0, 1, 2]
+
+    raw = TCPStore("127.0.0.1", store_server, None, False, 10)
+    try:
+        assert raw.add(f"distlib/run/{run_id}/node_rank", 0) == 3
+        assert raw.check([f"distlib/run/{run_id}/rank/0", f"distlib/run/{run_id}/all_done"])
+    finally:
+        raw.close()
+
+    # a fourth launcher of the same run finds the counter past nnodes-1
+    late = run_launcher(*args, timeout=60)
+    assert late.returncode == 1
+    assert "handed out node rank 3, but the run has 3 node(s)" in late.stderr
+    assert "give every run its own --run-id" in late.stderr
+
+
+def test_c10d_agent_hosts_the_store_when_nothing_answers(tmp_path):
+    script = write(tmp_path, "exchange.py", EXCHANGE)
+    port = free_port()
+    done = run_launcher("--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                        "--run-id", "hosted", script)
+    assert done.returncode == 0, done.stderr
+    assert "this agent hosts one in-process" in done.stderr
+    got = reports(done.stdout)
+    assert sorted(r["rank"] for r in got) == [0, 1]
+    assert {r["store"] for r in got} == {"PrefixStore"}
+
+
+def test_standalone(tmp_path):
+    script = write(tmp_path, "exchange.py", EXCHANGE)
+    done = run_launcher("--standalone", "--nproc-per-node", "2", script)
+    assert done.returncode == 0, done.stderr
+    got = reports(done.stdout)
+    assert sorted(r["rank"] for r in got) == [0, 1]
+    assert {r["env"]["MASTER_PORT"] for r in got} != {"0"}
+
+
+def test_c10d_unreachable_endpoint_fails_fast_and_names_it(tmp_path):
+    script = write(tmp_path, "never.py", "raise SystemExit('should not run')\n")
+    started = time.monotonic()
+    done = run_launcher("--rdzv-backend", "c10d", "--rdzv-endpoint", "192.0.2.1:29999", "--run-id", "r",
+                        "--rdzv-timeout", "1", script)
+    assert done.returncode == 1
+    assert "no distlib store-server answered at 192.0.2.1:29999 within 1.0s" in done.stderr
+    assert "should not run" not in done.stderr
+    assert time.monotonic() - started < 30
+
+
+FAILING = textwrap.dedent("""
+    import os, signal, sys, time
+    local = int(os.environ["LOCAL_RANK"])
+    with open(os.path.join(sys.argv[1], f"pid{local}"), "w") as f:
+        f.write(str(os.getpid()))
+    if local == 1:
+        while not os.path.exists(os.path.join(sys.argv[1], "pid0")):
+            time.sleep(0.01)
+        if sys.argv[2] == "exit":
+            for i in range(30):
+                print(f"boom line {i}", file=sys.stderr)
+            sys.exit(3)
+        print("about to die", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("sleeping", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_worker_exit_code_stops_the_others(tmp_path):
+    script = write(tmp_path, "failing.py", FAILING)
+    started = time.monotonic()
+    done = run_launcher("--nproc-per-node", "2", "--grace-period", "5", script, str(tmp_path), "exit")
+    elapsed = time.monotonic() - started
+    assert done.returncode == 3, done.stderr
+    assert elapsed < 20
+    err = done.stderr
+    assert "worker failed: global rank 1 (local rank 1) on node 0 of 1 exited with code 3" in err
+    assert "last 20 line(s) of its stderr:" in err
+    assert "distlib-run:   | boom line 29" in err and "distlib-run:   | boom line 10" in err
+    assert "distlib-run:   | boom line 9\n" not in err
+    assert "boom line 0\n" in err  # the stderr itself passed through live, all of it
+    assert "stopped the other worker(s): global rank 0 (local rank 0) (SIGTERM)" in err
+    sleeper = int((tmp_path / "pid0").read_text())
+    assert not pid_alive(sleeper)
+
+
+def test_worker_killed_by_a_signal_is_named(tmp_path):
+    script = write(tmp_path, "failing.py", FAILING)
+    done = run_launcher("--nproc-per-node", "2", script, str(tmp_path), "kill")
+    assert done.returncode == 128 + 9, done.stderr
+    assert "global rank 1 (local rank 1) on node 0 of 1 was killed by signal SIGKILL (9)" in done.stderr
+    assert "  | about to die" in done.stderr
+    assert not pid_alive(int((tmp_path / "pid0").read_text()))
+
+
+def test_rank_on_a_later_node_is_named(tmp_path):
+    script = write(tmp_path, "fail.py", "import sys; print('no', file=sys.stderr); sys.exit(5)\n")
+    done = run_launcher("--nnodes", "3", "--node-rank", "2", "--nproc-per-node", "1", "--master-port",
+                        str(free_port()), script)
+    assert done.returncode == 5
+    assert "worker failed: global rank 2 (local rank 0) on node 2 of 3 exited with code 5" in done.stderr
+
+
+SLEEPERS = textwrap.dedent("""
+    import os, signal, sys, time
+    local = int(os.environ["LOCAL_RANK"])
+    d = sys.argv[1]
+    def on_term(signum, frame):
+        open(os.path.join(d, f"term{local}"), "w").close()
+        if not (local == 1 and sys.argv[2] == "stubborn"):
+            sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    with open(os.path.join(d, f"pid{local}"), "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+""")
+
+
+@pytest.mark.parametrize("mode", ["polite", "stubborn"])
+def test_sigterm_to_the_launcher_stops_its_workers(tmp_path, mode):
+    script = write(tmp_path, "sleepers.py", SLEEPERS)
+    proc = start_launcher("--nproc-per-node", "2", "--grace-period", "1", script, str(tmp_path), mode)
+    try:
+        wait_for(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid1").exists(), 30, "both workers")
+        time.sleep(0.2)  # the handlers are installed right after the pid files are written
+        pids = [int((tmp_path / f"pid{i}").read_text()) for i in (0, 1)]
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "received SIGTERM: forwarding it to 2 running worker(s)" in err
+    assert (tmp_path / "term0").exists() and (tmp_path / "term1").exists()  # SIGTERM was forwarded
+    assert not any(pid_alive(p) for p in pids)
+    if mode == "stubborn":
+        assert "still running SIGTERM after" in err and "sending SIGKILL" in err
+        assert 0.9 < elapsed < 15
+    else:
+        assert elapsed < 5
+
+
+def test_output_passes_through(tmp_path):
+    script = write(tmp_path, "out.py", textwrap.dedent("""
+        import os, sys
+        r = os.environ["LOCAL_RANK"]
+        sys.stdout.write(f"out {r} no newline")
+        sys.stdout.flush()
+        sys.stderr.write(f"err {r} partial")
+        sys.stderr.flush()
+    """))
+    done = run_launcher("--nproc-per-node", "2", script)
+    assert done.returncode == 0
+    assert sorted(re.findall(r"out \d no newline", done.stdout)) == ["out 0 no newline", "out 1 no newline"]
+    assert len(done.stdout) == 2 * len("out 0 no newline")
+    assert "err 0 partial\n" in done.stderr and "err 1 partial\n" in done.stderr
+
+
+def test_module_and_arguments(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "job.py").write_text("import os, sys; print(os.environ['RANK'], sys.argv[1:])\n")
+    done = run_launcher("-m", "mypkg.job", "--nnodes", "7", "pos",
+                        env=clean_env(PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "0 ['--nnodes', '7', 'pos']\n"
+
+
+def test_dry_run(tmp_path):
+    env = clean_env(JOB_COMPLETION_INDEX="1", DISTLIB_RUN_ID="run-7")
+    env.pop("OMP_NUM_THREADS")
+    done = run_launcher("--dry-run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "node0",
+                        "does-not-exist.py", "--lr", "0.1", env=env)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "nothing started, nothing contacted" in out
+    assert re.search(r"^  node-rank\s+1\s+from JOB_COMPLETION_INDEX$", out, re.M)
+    assert re.search(r"^  nnodes\s+2\s+from flag --nnodes$", out, re.M)
+    assert re.search(r"^  master-addr\s+node0\s+from flag --master-addr", out, re.M)
+    assert re.search(r"^  master-port\s+29500\s+from default$", out, re.M)
+    assert re.search(r"^  run-id\s+run-7\s+from DISTLIB_RUN_ID$", out, re.M)
+    assert re.search(r"^  OMP_NUM_THREADS\s+1\s+from default", out, re.M)
+    assert "does-not-exist.py --lr 0.1" in out
+    blocks = out.split("worker local rank ")[1:]
+    assert len(blocks) == 2
+    assert "  RANK=2\n" in blocks[0] and "  RANK=3\n" in blocks[1]
+    assert "  GROUP_RANK=1\n" in blocks[1] and "  MASTER_ADDR=node0\n" in blocks[1]
+
+
+def test_dry_run_with_node_rank_auto():
+    done = run_launcher("--dry-run", "--nnodes", "3", "--node-rank", "auto", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", "master:29500", "x.py")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^  node-rank\s+auto\s+from flag --node-rank auto", done.stdout, re.M)
+    assert "  RANK=auto\n" in done.stdout and "  TORCHELASTIC_USE_AGENT_STORE=True\n" in done.stdout
+    assert "distinct ids" in done.stdout  # the default run id on a master service is warned about
+
+
+def test_configuration_errors_exit_2(tmp_path):
+    done = run_launcher("--nnodes", "2", "--node-rank", "2", "x.py")
+    assert done.returncode == 2
+    assert "distlib-run: error: node rank 2 (from flag --node-rank) is out of range for 2 node(s)" in done.stderr
+    done = run_launcher("--nnodes", "2")
+    assert done.returncode == 2 and "what to run is missing" in done.stderr
+
+
+def test_distlib_run_subcommand():
+    done = subprocess.run([sys.executable, "-m", "distlib.cli", "run", "--dry-run", "--nproc-per-node", "3", "x.py"],
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^  nproc-per-node\s+3\s+from flag --nproc-per-node$", done.stdout, re.M)
+
+
+LATE_LEAVER = textwrap.dedent("""
+    import os, time
+    from datetime import timedelta
+    from distlib.rendezvous import rendezvous
+    store, rank, world = next(rendezvous("env://", timeout=timedelta(seconds=30)))
+    store.set(f"hello/{rank}", str(rank))
+    store.wait([f"hello/{r}" for r in range(world)], timedelta(seconds=30))
+    time.sleep(1.5 * rank)  # rank 1 keeps using the store after rank 0 is gone
+    store.set(f"bye/{rank}", "1")
+    assert store.get(f"bye/{rank}") == b"1"
+    print(f"rank {rank} done", flush=True)
+""")
+
+
+def test_hosting_agent_keeps_the_store_for_other_nodes(tmp_path):
+    script = write(tmp_path, "late.py", LATE_LEAVER)
+    port = free_port()
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--run-id", "linger"]
+    node0 = start_launcher(*args, "--node-rank", "0", script)
+    time.sleep(1.0)  # node 0's agent finds nothing at the endpoint and hosts the store
+    node1 = start_launcher(*args, "--node-rank", "1", script)
+    out1, err1 = node1.communicate(timeout=60)
+    out0, err0 = node0.communicate(timeout=60)
+    assert node0.returncode == 0, err0
+    assert node1.returncode == 0, err1
+    assert "this agent hosts one in-process" in err0
+    assert "keeping the store server on port" in err0
+    assert out0 == "rank 0 done\n" and out1 == "rank 1 done\n"
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    script = write(tmp_path, "sleepers.py", SLEEPERS)
+    proc = start_launcher("--nproc-per-node", "2", script, str(tmp_path), "polite")
+    try:
+        wait_for(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid1").exists(), 30, "both workers")
+        pids = [int((tmp_path / f"pid{i}").read_text()) for i in (0, 1)]
+        proc.kill()  # SIGKILL: no chance to forward anything
+        proc.wait(10)
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "the orphaned workers to die")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
