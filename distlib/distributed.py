@@ -180,6 +180,9 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             timeout = _default_timeout(config)
         if not isinstance(timeout, timedelta):
             raise TypeError(f"Expected timeout argument to be of type datetime.timedelta, got {timeout}")
+        from .debug import configure as configure_logging
+
+        configure_logging(rank if rank >= 0 else int(os.environ.get("RANK", "-1") or -1))
         name = str(world.group_count)
         world.group_count += 1
         started = time.monotonic()

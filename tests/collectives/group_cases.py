@@ -7,18 +7,36 @@ from datetime import timedelta
 import numpy as np
 
 
+def _resources():
+    """Open file descriptors, distlib threads, and /dev/shm mappings of this process."""
+    import threading
+
+    fds = len(os.listdir("/proc/self/fd"))
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("distlib-") and t.is_alive())
+    with open("/proc/self/maps") as maps:
+        shm = sum(1 for line in maps if "/dev/shm/" in line)
+    return fds, threads, shm
+
+
 def init_destroy_init(rank, ws, path1, path2):
+    """init -> collectives (TCP and shared memory) -> destroy, twice; destroy releases
+    every socket, thread and shared-memory mapping."""
     import distlib as dist
 
     out = []
+    before = _resources()
     for path in (path1, path2):
         dist.init_process_group("GLOO", init_method=f"file://{path}", rank=rank, world_size=ws,
                                 timeout=timedelta(seconds=30))
         a = np.full(3, rank + 1.0)
         dist.all_reduce(a)
-        out.append((dist.is_initialized(), float(a[0]), dist.get_backend()))
+        big = np.ones(1 << 20, np.float32)  # shared-memory path
+        dist.all_reduce(big)
+        out.append((dist.is_initialized(), float(a[0]), dist.get_backend(), float(big[0])))
         dist.destroy_process_group()
         out.append(dist.is_initialized())
+        time.sleep(0.2)
+        out.append(_resources() == before or (_resources(), before))
     return out
 
 
@@ -153,3 +171,46 @@ def two_interfaces(rank, ws, path):
         results.append(float(a[0]))
     dist.destroy_process_group()
     return meshes, results
+
+
+def monitored_barrier_with_absent_rank(rank, ws, path, absent):
+    """Rank ``absent`` never calls monitored_barrier: rank 0 names it, the others hear it failed."""
+    import distlib as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=ws,
+                            timeout=timedelta(seconds=30))
+    start = time.monotonic()
+    outcome = "skipped"
+    if rank != absent:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
+            outcome = "passed"
+        except dist.DistBackendError as exc:
+            outcome = str(exc)
+    else:
+        time.sleep(4)
+    elapsed = time.monotonic() - start
+    dist.destroy_process_group()
+    return outcome, elapsed
+
+
+def failing_async_op(rank, ws, path):
+    """An async collective that fails (ranks disagree on the size) reports it on its Work."""
+    import distlib as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=ws,
+                            timeout=timedelta(seconds=30))
+    work = dist.all_reduce(np.ones(10 + rank), async_op=True)
+    try:
+        work.wait()
+        raised = None
+    except dist.DistBackendError as exc:
+        raised = str(exc)
+    result = (raised, work.is_completed(), work.is_success(), str(work.exception()) == raised)
+    future_raised = False
+    try:
+        work.get_future().wait()
+    except dist.DistBackendError:
+        future_raised = True
+    dist.destroy_process_group()
+    return result + (future_raised,)

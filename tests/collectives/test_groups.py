@@ -41,7 +41,7 @@ def test_subgroup_with_a_rank_outside(pool):
 def test_init_destroy_init_in_one_process(tmp_path):
     results = ok(spawn(group_cases.init_destroy_init, 2, str(tmp_path / "a"), str(tmp_path / "b")))
     for value in results:
-        assert value == [(True, 3.0, "gloo"), False, (True, 3.0, "gloo"), False]
+        assert value == [(True, 3.0, "gloo", 2.0), False, True, (True, 3.0, "gloo", 2.0), False, True]
 
 
 def test_reinit_after_a_failed_collective(tmp_path):
@@ -121,3 +121,18 @@ def test_single_rank_with_a_user_store():
     finally:
         dist.destroy_process_group()
     assert a == (1, 0)
+
+
+def test_monitored_barrier_names_the_absent_rank(tmp_path):
+    results = ok(spawn(group_cases.monitored_barrier_with_absent_rank, 3, str(tmp_path / "s"), 2))
+    text, elapsed = results[0]
+    assert "Ranks 2 failed to pass monitoredBarrier in 2000 ms" in text, text
+    assert elapsed < 6
+    assert "monitored_barrier failed" in results[1][0], results[1]
+
+
+def test_failing_async_operation_reports_on_its_work(tmp_path):
+    for raised, completed, success, same, future_raised in ok(spawn(group_cases.failing_async_op, 2,
+                                                                    str(tmp_path / "s"))):
+        assert raised and "mismatched collective" in raised
+        assert completed and not success and same and future_raised

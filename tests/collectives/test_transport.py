@@ -51,3 +51,20 @@ def test_interface_address_and_errors():
 
 def test_host_identity_is_stable():
     assert address.host_identity() == address.host_identity()
+
+
+def test_loopback_address_in_a_multi_host_world_is_warned(caplog):
+    """The 127.0.1.1 trap: a rank whose host name resolves to loopback advertises it."""
+    from distlib.backends.gloo import GlooBackend
+
+    records = [
+        {"addresses": [["10.0.0.2", 30001]], "host_id": "a"},
+        {"addresses": [["127.0.1.1", 30002]], "host_id": "b"},
+    ]
+    backend = GlooBackend.__new__(GlooBackend)
+    backend.label = "pg0/gloo"
+    with caplog.at_level("WARNING", logger="distlib.backends.gloo"):
+        backend._warn_loopback(records)
+    [record] = caplog.records
+    text = record.getMessage()
+    assert "rank 1 advertises the loopback address 127.0.1.1" in text and "GLOO_SOCKET_IFNAME" in text
