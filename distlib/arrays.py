@@ -30,10 +30,6 @@ def dtype_name(code: int) -> str:
     return "bytes" if dt is None else dt.name
 
 
-def is_array(obj: Any) -> bool:
-    return isinstance(obj, np.ndarray)
-
-
 def device_of(array: Any) -> str:
     """'cpu' for numpy arrays, 'cuda' for cupy arrays."""
     module = type(array).__module__
@@ -72,12 +68,3 @@ def same_dtype(arrays: Sequence[np.ndarray], reference: np.ndarray, name: str, r
     for i, a in enumerate(arrays):
         if a.dtype != reference.dtype:
             raise TypeError(f"{name}[{i}] has dtype {a.dtype} but {ref_name} has {reference.dtype}: they must match")
-
-
-def byte_view(array: np.ndarray) -> memoryview:
-    """A flat writable-if-possible byte memoryview of a contiguous array, without a copy."""
-    return memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
-
-
-def describe(array: np.ndarray) -> str:
-    return f"{array.size} x {array.dtype} (shape {tuple(array.shape)})"

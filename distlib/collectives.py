@@ -21,7 +21,7 @@ from .distributed import _resolve, warn_not_in_group
 from .errors import DistBackendError
 from .group import ProcessGroup
 from .reduce_op import ReduceOp, as_reduce_op, check_op_for_dtype
-from .work import CompletedWork, Future, Work
+from .work import Future, Work
 
 
 def _run(pg: ProcessGroup, op_name: str, fn: Callable[[], None], async_op: bool,
@@ -279,7 +279,7 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
 # -- point to point -------------------------------------------------------------------------------
 
 
-def _p2p_args(pg: ProcessGroup, tensor, peer, group_peer, tag: int, what: str, writable: bool):
+def _p2p_args(tensor, tag: int, writable: bool):
     array = check_array(tensor, "tensor", writable=writable)
     if not isinstance(tag, (int, np.integer)) or not 0 <= int(tag) < 2**32:
         raise ValueError(f"tag must be an int in [0, 2**32), got {tag!r}")
@@ -299,7 +299,7 @@ def isend(tensor, dst: Optional[int] = None, group=None, tag: int = 0, group_dst
     peer = _peer(pg, dst, group_dst, "dst")
     if peer == pg.rank():
         raise ValueError("Invalid destination rank: can't send to self")
-    array, tag = _p2p_args(pg, tensor, dst, group_dst, tag, "send", False)
+    array, tag = _p2p_args(tensor, tag, writable=False)
     backend = _backend(pg, array)
     return _run(pg, "send", lambda: backend.send(array, peer, tag), True, [array])
 
@@ -343,9 +343,6 @@ class _RecvWork(Work):
         except BaseException:  # noqa: BLE001 - the future carries it
             pass
 
-    def _source_rank(self) -> int:
-        return self.source
-
 
 def irecv(tensor, src: Optional[int] = None, group=None, tag: int = 0, group_src: Optional[int] = None):
     pg = _resolve(group)
@@ -354,7 +351,7 @@ def irecv(tensor, src: Optional[int] = None, group=None, tag: int = 0, group_src
     peer = _peer(pg, src, group_src, "src", required=False)
     if peer is not None and peer == pg.rank():
         raise ValueError("Invalid source rank: can't receive from self")
-    array, tag = _p2p_args(pg, tensor, src, group_src, tag, "recv", True)
+    array, tag = _p2p_args(tensor, tag, writable=True)
     backend = _backend(pg, array)
     return _RecvWork(pg, backend.post_recv(array, peer, tag), array)
 
@@ -400,5 +397,5 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
 __all__ = [
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
-    "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "DistBackendError", "CompletedWork",
+    "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "DistBackendError",
 ]

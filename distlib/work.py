@@ -132,14 +132,6 @@ class Work:
         return f"Work({self.op_name}, {state})"
 
 
-class CompletedWork(Work):
-    """A Work that is already finished (sync paths that still return a handle)."""
-
-    def __init__(self, op_name: str, result: Optional[List[Any]] = None):
-        super().__init__(op_name, result)
-        self._finish()
-
-
 class OrderedExecutor:
     """Runs a group's operations one at a time, in issue order."""
 
