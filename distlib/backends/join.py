@@ -50,9 +50,10 @@ def publish_and_gather(store, rank: int, size: int, record: Dict[str, object], d
             break
         except DistNetworkError as exc:
             raise DistStoreError(
-                f"{label}: lost the store while waiting for every rank to join ({format_duration(deadline.elapsed())} "
-                f"in): the rank hosting it (rank 0, unless a master service runs it) gave up after its timeout "
-                f"or died; its error names the ranks that never arrived. Store error: {exc}") from None
+                f"{label}: lost the store ({store.describe()}) {format_duration(deadline.elapsed())} into waiting "
+                f"for every rank to join. If a master service runs it (distlib store-server), the service "
+                f"stopped; if rank 0 hosts it, rank 0 gave up after its timeout or died, and its error names "
+                f"the ranks that never arrived. Store error: {exc}") from None
         except DistStoreError:
             if deadline.expired():
                 raise _timeout_error(store, rank, size, deadline, label) from None

@@ -3,7 +3,7 @@
 Every message is a 32-byte header followed by ``nbytes`` of payload::
 
     offset size field
-    0      1    kind      1 DATA (collective), 2 P2P (send/recv), 3 ABORT, 4 HELLO
+    0      1    kind      1 DATA (collective), 2 P2P (send/recv), 3 ABORT, 4 HELLO, 5 HEARTBEAT
     1      1    op        collective code (OPS), so a rank that called all_reduce never
                           consumes bytes a peer sent for broadcast
     2      1    dtype     numpy dtype code (arrays.DTYPE_CODES), 0 for raw bytes
@@ -21,6 +21,9 @@ mismatch means the ranks called different collectives or passed arrays of differ
 dtype, and every rank is told (an ABORT frame carries the text) instead of reading
 misaligned bytes. HELLO opens a connection: its 8-byte payload is the sender's rank and the
 mesh id, checked by the acceptor so a stray connection to a reused port is refused.
+HEARTBEAT is sent every few seconds by a rank that is blocked waiting; its payload says what
+it waits for, so a rank that times out can tell a peer that is alive (and waiting on somebody
+else) from one that has gone silent. ABORT's ``seq`` is the rank that found the failure.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ DATA = 1
 P2P = 2
 ABORT = 3
 HELLO = 4
+HEARTBEAT = 5
 
 HELLO_PAYLOAD = struct.Struct("<IQ")  # sender rank, mesh id (64-bit hash of the group)
 

@@ -17,6 +17,10 @@ Moving bytes (frames.py for the layout):
   these VMs). A progress thread reads every other connection that has data, so a peer's
   send never blocks because this rank is busy elsewhere (no send/send deadlock, whatever
   order isend/irecv are issued in), and a peer that dies is noticed at once.
+* **Who is to blame:** a rank blocked in a wait sends a HEARTBEAT every few seconds saying
+  what it waits for. When a wait times out, the error says whether the awaited rank is alive
+  (and waiting on whom) and which ranks have gone silent — in a ring every rank waits on a
+  neighbour, so naming only the awaited one would usually blame an innocent rank.
 * **Failure:** a peer that closes its connection, a frame that does not match what this rank
   expects, or a deadline that passes aborts the mesh: an ABORT frame with the reason goes to
   every peer, every pending and later operation raises ``DistBackendError`` with that reason
@@ -40,22 +44,22 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError, DistNetworkError
 from . import frames
-from .frames import ABORT, DATA, HELLO, P2P
+from .frames import ABORT, DATA, HEARTBEAT, HELLO, P2P
 
 log = logging.getLogger("distlib.transport.tcp")
 
 ANY_SOURCE = -1
 SLICE = 0.5  # seconds one blocking socket call may take before deadlines are checked again
+#: A rank blocked in a wait tells its peers what it waits for this often; a peer not heard
+#: from for SILENT_AFTER seconds while others wait is reported as the likely culprit.
+HEARTBEAT_INTERVAL = float(os.environ.get("DISTLIB_HEARTBEAT_S", "2"))
+SILENT_AFTER = 3 * HEARTBEAT_INTERVAL
 _POLLIN = select.POLLIN | select.POLLPRI
 _EPOLLIN_ONCE = select.EPOLLIN | select.EPOLLONESHOT
 
 
 def endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class _ConnectionLost(DistBackendError):
-    """One peer's connection is gone (it may have finished and left, or died)."""
 
 
 class Slot:
@@ -126,6 +130,10 @@ class PeerConnection:
         self.p2p_posted: Dict[int, Deque[Slot]] = collections.defaultdict(collections.deque)
         self.p2p_unexpected: Dict[int, Deque[Tuple[tuple, bytearray]]] = collections.defaultdict(collections.deque)
         self.header = bytearray(frames.HEADER_SIZE)
+        self.last_heard = time.monotonic()
+        self.status = ""  # what the peer said it waits for (HEARTBEAT)
+        self.status_time = 0.0
+        self.leftover = b""  # the unsent tail of a heartbeat: goes out before any other frame
         self.poller = select.poll()
         self.poller.register(self.fd, _POLLIN)
 
@@ -149,6 +157,8 @@ class Mesh:
         self.error: Optional[DistBackendError] = None
         self.closed = False
         self.listener: Optional[socket.socket] = None
+        self.waits: Dict[int, Tuple[Slot, float]] = {}  # receives threads are blocked on
+        self._last_beat = 0.0
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(self._wake_r, select.EPOLLIN)
@@ -262,6 +272,9 @@ class Mesh:
             self._check(conn)
             sock = conn.sock
             pending = [memoryview(header)]
+            if conn.leftover:
+                pending.insert(0, memoryview(conn.leftover))
+                conn.leftover = b""
             if payload.nbytes:
                 pending.append(payload.cast("B") if payload.format != "B" else payload)
             while pending:
@@ -355,16 +368,23 @@ class Mesh:
     def wait(self, slot: Slot, deadline: Deadline) -> int:
         """Block until ``slot`` is filled; return the sender's rank (group-local)."""
         conn = slot.conn
-        while not slot.done:
-            if conn is not None and conn.read_lock.acquire(blocking=False):
-                try:
-                    self._read_until(conn, slot, deadline)
-                finally:
-                    conn.read_lock.release()
-                    self._rearm(conn)
-            elif not slot.event.wait(min(0.01, max(0.0, deadline.remaining()))):
-                if deadline.expired() and not slot.done:
-                    self._give_up(slot, deadline)
+        key = id(slot)
+        self.waits[key] = (slot, time.monotonic())
+        try:
+            while not slot.done:
+                if conn is not None and conn.read_lock.acquire(blocking=False):
+                    try:
+                        self._read_until(conn, slot, deadline)
+                    finally:
+                        conn.read_lock.release()
+                        self._rearm(conn)
+                else:
+                    self._help(conn)
+                    if not slot.event.wait(min(0.01, max(0.0, deadline.remaining()))):
+                        if deadline.expired() and not slot.done:
+                            self._give_up(slot, deadline)
+        finally:
+            self.waits.pop(key, None)
         if slot.error is not None:
             self.abort(slot.error)  # this operation failed: tell the other ranks
             raise slot.error
@@ -401,9 +421,10 @@ class Mesh:
                 if give_up:
                     self._give_up(slot, deadline)
                 return
-            if not conn.poller.poll(min(left, 1.0) * 1000):
+            if not conn.poller.poll(min(left, 0.2) * 1000):
                 if self.error is not None:
                     slot.fail(self.error)
+                self._help(conn)
                 continue
             self._read_frame(conn)
 
@@ -411,10 +432,42 @@ class Mesh:
         who = slot.conn.name() if slot.conn is not None else "any rank"
         error = DistBackendError(
             f"{self.label}: rank {self.rank} timed out after {format_duration(deadline.seconds)} waiting for "
-            f"{slot.what} from {who}: that rank is slow, stuck in another operation, or unreachable. "
-            f"The group is aborted; destroy it and init again")
+            f"{slot.what} from {who}. {self._diagnose(slot)} The group is aborted; destroy it and init again")
         self.abort(error)
         slot.fail(error)
+
+    def _diagnose(self, slot: Slot) -> str:
+        """Who is alive (and waiting on whom) and who has gone silent, from the heartbeats."""
+        now = time.monotonic()
+        parts = []
+        awaited = slot.conn
+        if awaited is not None:
+            if awaited.status and now - awaited.status_time < SILENT_AFTER:
+                parts.append(f"{awaited.name()} is alive: it is {awaited.status}.")
+            else:
+                parts.append(f"{awaited.name()} has been silent for {now - awaited.last_heard:.0f}s.")
+        silent = [c for c in self.conns if c is not None and c.failed is None and now - c.last_heard > SILENT_AFTER]
+        if silent:
+            names = ", ".join(f"{c.name()} for {now - c.last_heard:.0f}s" for c in silent)
+            parts.append(f"Silent: {names} — likely cut off from the network, stopped, or stuck outside "
+                         f"distlib (the ranks that are waiting say so every {HEARTBEAT_INTERVAL:.0f}s).")
+        return " ".join(parts) or "That rank is slow, stuck in another operation, or unreachable."
+
+    def _help(self, busy: Optional[PeerConnection]) -> None:
+        """While waiting, read whatever other connections have (an ABORT, a frame some other
+        receive waits for): a progress thread stuck in the middle of a frame from a peer that
+        vanished must not keep the others' news from being read."""
+        for conn in self.conns:
+            if conn is None or conn is busy or conn.failed is not None or self.closed:
+                continue
+            if not conn.poller.poll(0) or not conn.read_lock.acquire(blocking=False):
+                continue
+            try:
+                while conn.failed is None and self.error is None and conn.poller.poll(0):
+                    self._read_frame(conn)
+            finally:
+                conn.read_lock.release()
+                self._rearm(conn)
 
     # -- reading frames (the caller holds conn.read_lock) ---------------------------------------
 
@@ -435,7 +488,11 @@ class Mesh:
                 view = view[n:]
                 continue
             if self.closed or self.error is not None:
-                raise self.error or _ConnectionLost(f"{self.label}: closed")
+                if self.error is None:
+                    closed = DistBackendError(f"{self.label}: the process group was destroyed")
+                    closed.connection_lost = True
+                    raise closed
+                raise self.error
             deadline = deadline or Deadline(self.timeout_s)
             if deadline.expired():
                 raise self._timeout(conn, f"the rest of {what}", deadline)
@@ -447,6 +504,13 @@ class Mesh:
             self._recv_into(conn, header, "a frame header")
             fields = frames.unpack(conn.header)
             kind, op, dtype, redop, seq, step, count, nbytes = fields
+            conn.last_heard = time.monotonic()
+            if kind == HEARTBEAT:
+                text = bytearray(nbytes)
+                self._recv_into(conn, memoryview(text), "a heartbeat")
+                conn.status = text.decode("utf-8", "replace")
+                conn.status_time = conn.last_heard
+                return
             if kind == ABORT:
                 text = bytearray(nbytes)
                 self._recv_into(conn, memoryview(text), "an abort message")
@@ -487,10 +551,10 @@ class Mesh:
             if nbytes:
                 slot.view[:] = data
             slot.complete(conn.peer)
-        except _ConnectionLost:
-            pass  # _peer_lost failed whatever waited on this connection
         except DistBackendError as error:
-            self.abort(error)
+            if not getattr(error, "connection_lost", False):
+                self.abort(error)
+            # else: _peer_lost failed whatever waited on that connection; others go on
 
     def _mismatch(self, slot: Slot, problem: str) -> None:
         """A frame does not fit the receive it matched: fail that receive (already taken out
@@ -518,11 +582,13 @@ class Mesh:
     def _progress_loop(self) -> None:
         while not self.closed:
             try:
-                events = self._epoll.poll(-1)
+                events = self._epoll.poll(HEARTBEAT_INTERVAL)
             except InterruptedError:
                 continue
             except (OSError, ValueError):
                 return
+            if self.waits:
+                self._heartbeat()
             for fd, _ in events:
                 if fd == self._wake_r:
                     try:
@@ -541,6 +607,36 @@ class Mesh:
                 finally:
                     conn.read_lock.release()
                     self._rearm(conn)
+
+    def _heartbeat(self) -> None:
+        """Tell every peer what this rank has been waiting for (if for a while)."""
+        now = time.monotonic()
+        if now - self._last_beat < HEARTBEAT_INTERVAL:
+            return
+        oldest = min(self.waits.values(), key=lambda item: item[1], default=None)
+        if oldest is None or now - oldest[1] < HEARTBEAT_INTERVAL:
+            return
+        self._last_beat = now
+        slot, since = oldest
+        who = slot.conn.name() if slot.conn is not None else "any rank"
+        data = f"waiting {now - since:.0f}s for {slot.what} from {who}".encode("utf-8")
+        frame = frames.pack(HEARTBEAT, 0, 0, 0, 0, 0, 0, len(data)) + data
+        for conn in self.conns:
+            if conn is None or conn.failed is not None or not conn.send_lock.acquire(blocking=False):
+                continue
+            try:
+                if conn.leftover:
+                    continue  # the last one is still not out: the peer is not reading
+                try:
+                    sent = conn.sock.send(frame, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    continue
+                if 0 < sent < len(frame):
+                    conn.leftover = frame[sent:]
+            finally:
+                conn.send_lock.release()
 
     def _rearm(self, conn: PeerConnection) -> None:
         if conn.failed is None and not self.closed:
@@ -566,16 +662,17 @@ class Mesh:
             self.abort(conn.failed)  # an operation needs a peer that is gone: it fails for all
             raise conn.failed
 
-    def _peer_lost(self, conn: PeerConnection, doing: str, exc: Optional[OSError]) -> "_ConnectionLost":
+    def _peer_lost(self, conn: PeerConnection, doing: str, exc: Optional[OSError]) -> DistBackendError:
         """The connection to one peer is gone: fail what waits on it (not the whole mesh: a
         peer that finished and destroyed its group closes its connections while others are
         still busy with each other). An operation that needed the peer fails, and that
         failure aborts the mesh."""
         cause = "closed the connection" if exc is None or exc.errno in (errno.EPIPE, errno.ECONNRESET) \
             else f"connection failed ({exc.strerror})"
-        error = _ConnectionLost(
+        error = DistBackendError(
             f"{self.label}: {conn.name()} {cause} while rank {self.rank} was {doing}: "
             f"rank {conn.peer} died, was killed, or destroyed its process group")
+        error.connection_lost = True  # only that connection is gone (see _read_frame)
         with self.match_lock:
             if conn.failed is None:
                 conn.failed = error

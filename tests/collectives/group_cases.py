@@ -214,3 +214,24 @@ def failing_async_op(rank, ws, path):
         future_raised = True
     dist.destroy_process_group()
     return result + (future_raised,)
+
+
+def silent_rank_during_ring(rank, ws, path, silent):
+    """Rank ``silent`` stops taking part (stuck outside distlib) while the others run a ring
+    all_reduce; their timeout errors must blame it, not the live neighbour they wait on."""
+    import distlib as dist
+
+    os.environ["DISTLIB_SHM"] = "0"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=ws,
+                            timeout=timedelta(seconds=9))
+    big = np.ones(4 << 20, np.float32)
+    dist.all_reduce(big)
+    if rank == silent:
+        time.sleep(14)
+        return "slept", 0.0
+    start = time.monotonic()
+    try:
+        dist.all_reduce(big)
+        return "no error", time.monotonic() - start
+    except dist.DistBackendError as exc:
+        return str(exc), time.monotonic() - start

@@ -25,3 +25,18 @@ def test_killed_rank_is_named_by_the_others():
         assert status == "ok"
         assert f"rank {victim} (" in text and "closed the connection" in text, f"rank {rank}: {text}"
         assert elapsed < 30, f"rank {rank} needed {elapsed:.1f}s (group timeout 60s)"
+
+
+def test_timeout_blames_the_silent_rank_not_the_waiting_neighbour(tmp_path):
+    """In a ring every rank waits on its left neighbour; the heartbeats of the waiting ranks
+    let each timeout error say which rank actually went silent."""
+    ws, silent = 4, 2
+    results = spawn(group_cases.silent_rank_during_ring, ws, str(tmp_path / "s"), silent, timeout=120)
+    for rank, (code, (status, (text, elapsed))) in enumerate(results):
+        assert status == "ok" and code == 0, (rank, code, text)
+        if rank == silent:
+            continue
+        assert f"Silent: rank {silent} (" in text, f"rank {rank}: {text}"
+        assert elapsed < 9 + 10, f"rank {rank}: {elapsed:.1f}s"
+    # rank 0 waits on its left neighbour rank 3, which is alive and waiting on rank 2
+    assert "rank 3 (" in results[0][1][1][0] and "is alive" in results[0][1][1][0], results[0][1][1][0]
