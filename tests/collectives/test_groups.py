@@ -21,7 +21,7 @@ def ok(results):
 def test_world_queries(pool):
     for rank, info in enumerate(pool.run(cases.world_info)):
         assert info == {"rank": rank, "size": pool.world_size, "backend": "gloo", "initialized": True,
-                        "world_is_default": True}
+                        "world_is_default": True, "progress_threads_alive": True}
 
 
 @pytest.mark.parametrize("pool", [3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
