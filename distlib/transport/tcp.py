@@ -420,6 +420,9 @@ class Mesh:
 
     def _read_until(self, conn: PeerConnection, slot: Slot, deadline: Deadline, give_up: bool = True) -> None:
         while not slot.done:
+            if conn.failed is not None:  # its EOF was read already: nothing more will come
+                slot.fail(conn.failed)
+                return
             left = deadline.remaining()
             if left <= 0:
                 if give_up:
@@ -528,6 +531,7 @@ class Mesh:
 
     def _read_frame(self, conn: PeerConnection) -> None:
         """Read one frame from ``conn`` and deliver it; on failure abort the mesh."""
+        slot: Optional[Slot] = None
         try:
             header = memoryview(conn.header)
             self._recv_into(conn, header, "a frame header")
@@ -581,9 +585,11 @@ class Mesh:
                 slot.view[:] = data
             slot.complete(conn.peer)
         except DistBackendError as error:
+            if slot is not None and not slot.done:
+                slot.fail(error)  # taken out of the table for this frame, then the frame broke off
             if not getattr(error, "connection_lost", False):
                 self.abort(error)
-            # else: _peer_lost failed whatever waited on that connection; others go on
+            # else: _peer_lost failed whatever else waited on that connection; others go on
 
     def _mismatch(self, slot: Slot, problem: str) -> None:
         """A frame does not fit the receive it matched: fail that receive (already taken out

@@ -129,12 +129,20 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = CASE_TIMEOUT, e
         proc.start()
     results: Dict[int, Any] = {}
     import queue as queue_module
+    import time
 
-    for _ in range(world_size):
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and time.monotonic() < deadline:
         try:
-            rank, value = queue.get(timeout=timeout)
+            rank, value = queue.get(timeout=0.2)
         except queue_module.Empty:
-            break
+            if not any(proc.is_alive() for proc in procs):  # a dead rank never answers
+                try:
+                    rank, value = queue.get(timeout=1.0)  # a last word still in the pipe
+                except queue_module.Empty:
+                    break
+            else:
+                continue
         results[rank] = value
     for proc in procs:
         proc.join(15)

@@ -3,6 +3,8 @@ group timeout, and their processes exit (no hang, no thread keeping them alive).
 
 import socket
 
+import pytest
+
 from . import group_cases
 from .harness import spawn
 
@@ -13,8 +15,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_killed_rank_is_named_by_the_others():
-    ws, victim = 3, 1
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_killed_rank_is_named_by_the_others(victim):
+    ws = 3
     results = spawn(group_cases.killed_during_all_reduce, ws, free_port(), victim, timeout=120)
     for rank, (code, outcome) in enumerate(results):
         if rank == victim:
