@@ -22,6 +22,15 @@ from ..reduce_op import ReduceOp, accumulate, combine
 from .context import STEP_STRIDE, OpContext, bview, chunk_bounds, pieces
 
 
+def in_rank_order(op: ReduceOp, contributions, n: int) -> np.ndarray:
+    """``contributions[0] (op) contributions[1] (op) ...``: one order everywhere, so every rank
+    that reduces the same inputs gets the same bits."""
+    result = contributions[0].reshape(-1).copy()
+    for k in range(1, n):
+        accumulate(op, result, contributions[k].reshape(-1))
+    return result
+
+
 def direct_all_reduce(ctx: OpContext, flat: np.ndarray, op: ReduceOp) -> None:
     n, r = ctx.size, ctx.rank
     peers = [(r + i) % n for i in range(1, n)]
@@ -33,10 +42,7 @@ def direct_all_reduce(ctx: OpContext, flat: np.ndarray, op: ReduceOp) -> None:
     for slot in slots:
         ctx.wait(slot)
     inbox[r] = flat
-    result = inbox[0].copy()
-    for k in range(1, n):
-        accumulate(op, result, inbox[k])
-    flat[...] = result
+    flat[...] = in_rank_order(op, inbox, n)
 
 
 def recursive_doubling_all_reduce(ctx: OpContext, flat: np.ndarray, op: ReduceOp) -> None:
@@ -135,10 +141,7 @@ def direct_reduce(ctx: OpContext, flat: np.ndarray, root: int, op: ReduceOp) -> 
     for slot in slots:
         ctx.wait(slot)
     inbox[r] = flat
-    result = inbox[0].copy()
-    for k in range(1, n):
-        accumulate(op, result, inbox[k])
-    flat[...] = result
+    flat[...] = in_rank_order(op, inbox, n)
 
 
 def ring_reduce(ctx: OpContext, flat: np.ndarray, root: int, op: ReduceOp) -> None:
@@ -167,10 +170,7 @@ def direct_reduce_scatter(ctx: OpContext, parts: List[np.ndarray], output: np.nd
     for slot in slots:
         ctx.wait(slot)
     inbox[r] = parts[r]
-    result = inbox[0].reshape(-1).copy()
-    for k in range(1, n):
-        accumulate(op, result, inbox[k].reshape(-1))
-    output.reshape(-1)[...] = result
+    output.reshape(-1)[...] = in_rank_order(op, inbox, n)
 
 
 def ring_reduce_scatter_into(ctx: OpContext, work: np.ndarray, output: np.ndarray, op: ReduceOp) -> None:
