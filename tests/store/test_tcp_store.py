@@ -231,6 +231,32 @@ def test_unresolvable_name_is_classified():
     assert "name not resolved" in text and "never resolved" in text
 
 
+def test_stalled_name_lookup_does_not_outlive_the_timeout(monkeypatch):
+    """A resolver that hangs (a DNS server dropping queries) must not hold the client past
+    its timeout: the lookup is abandoned and the error says it stalled."""
+    from distlib.store.tcp import connect as connect_mod
+
+    real = connect_mod.socket.getaddrinfo
+    release = threading.Event()
+
+    def hanging(host, *args, **kwargs):
+        if host == "stalled.example":
+            release.wait(30)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(connect_mod.socket, "getaddrinfo", hanging)
+    start = time.monotonic()
+    try:
+        with pytest.raises(DistNetworkError) as info:
+            TCPStore("stalled.example", 23456, timeout=timedelta(seconds=1))
+    finally:
+        release.set()
+    assert time.monotonic() - start < 3
+    text = str(info.value)
+    assert "name not resolved (name lookup did not finish within" in text
+    assert "'stalled.example' never resolved" in text
+
+
 def test_server_gone_fails_every_later_call_naming_the_server():
     master = TCPStore("127.0.0.1", 0, None, True, short(), wait_for_workers=False)
     client = TCPStore("127.0.0.1", master.port, None, False, short())

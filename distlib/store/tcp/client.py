@@ -12,6 +12,17 @@ What it does beyond torch, and why:
   torch's two (WAIT and GET pipelined; see protocol.py, "ordered-wait capability"). Against a
   torch server it behaves exactly as torch's client, including coping with the libuv
   server's spurious wake-ups (an empty value after a wake is re-checked).
+* **Same-host transport.** When ``host_name`` is a loopback address and a distlib server
+  listens on that port on this host, the client connects to the server's abstract UNIX
+  socket (server.py, ``unix_socket_name``) instead of TCP: the same bytes, the same
+  server, about a third of the kernel's cost per request. torch servers have no such
+  socket, so against them nothing changes. ``DISTLIB_STORE_UNIX=0`` turns it off;
+  ``transport`` says which one a client uses, ``local_address()`` still names the
+  loopback address.
+* Replies are polled for, not blocked on at once: a short busy-poll
+  (``DISTLIB_STORE_CLIENT_SPIN_US``, 100 us; off when it would take a CPU another task
+  needs, and backing off while replies miss it), then poll(2) with the deadline. The socket
+  stays non-blocking, so no call pays for switching modes or timeouts.
 * Connecting retries with backoff until the timeout and then fails naming host:port and
   what went wrong (connect.py). Every reply is read with a deadline: a server that stops
   answering is reported, naming the operation and the server, instead of hanging.
@@ -23,9 +34,12 @@ What it does beyond torch, and why:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -36,7 +50,7 @@ from ...deadline import Deadline, TimeoutLike, as_seconds, format_duration
 from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
 from . import protocol as proto
-from .connect import connect, describe_socket, format_endpoint
+from .connect import connect, describe_socket, format_endpoint, resolve
 from .protocol import (
     I64,
     MAX_KEY_BYTES,
@@ -51,7 +65,7 @@ from .protocol import (
     WORKER_COUNTER_KEY,
     Op,
 )
-from .server import StoreServer, bind_listener
+from .server import BusyPoll, StoreServer, bind_listener, local_transport_enabled, unix_socket_name
 
 log = logging.getLogger("distlib.store.tcp.client")
 
@@ -62,13 +76,27 @@ _CLOSED_TEXT = ("Failed to recv, got 0 bytes. Connection was likely closed. "
 #: healthy server; one that has not answered after max(store timeout, this) is reported dead.
 MIN_REPLY_DEADLINE = 30.0
 
-#: How long a client polls for a reply before blocking (adaptive, see _spin_for_reply).
-#: DISTLIB_STORE_CLIENT_SPIN_US=0 turns it off.
-SPIN_S = float(os.environ.get("DISTLIB_STORE_CLIENT_SPIN_US", "100")) / 1e6
+#: How long a client polls for a reply before blocking, in microseconds (adaptive, see
+#: _recv). DISTLIB_STORE_CLIENT_SPIN_US overrides it; 0 turns it off.
+DEFAULT_SPIN_US = 100.0
+#: Spin back-off: a reply that misses the spin window raises the back-off level by one, one
+#: that arrives within it lowers it by one; at level k the client spins for one request in
+#: 2**k (the others block at once). SPIN_BACKOFF_MAX_LEVEL caps k (1 request in 1024).
+SPIN_BACKOFF_MAX_LEVEL = 10
 
-_WAIT = Op.WAIT
+_RECV_SIZE = 65536
+_POLLIN = select.POLLIN
+_POLLOUT = select.POLLOUT
+
+_WAIT = int(Op.WAIT)
 _u64 = U64.unpack_from
 _i64 = I64.unpack_from
+# Request headers of the hot paths, packed in one call (the same bytes as protocol.py's).
+_OP_LEN = proto.OP_U64.pack  # opcode, u64 length of the key that follows
+_WAIT_ONE = struct.Struct("<BQQ").pack  # WAIT, u64 count 1, u64 length of the key
+_pack_u64 = U64.pack
+_pack_i64 = I64.pack
+_SET, _GET, _ADD, _CHECK, _CAS = int(Op.SET), int(Op.GET), int(Op.ADD), int(Op.CHECK), int(Op.COMPARE_SET)
 
 
 class _NotAStoreServer(DistNetworkError):
@@ -150,6 +178,11 @@ def _start_server(port: int, multi_tenant: bool, master_listen_fd: Optional[int]
     return handle
 
 
+def _is_loopback(ip) -> bool:
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return (mapped or ip).is_loopback
+
+
 def _close_socket(sock: socket.socket) -> None:
     try:
         sock.close()
@@ -192,8 +225,11 @@ class TCPStore(Store):
         self._sock: Optional[socket.socket] = None
         self._rbuf = bytearray()
         self._broken: Optional[str] = None
-        self._spin_misses = 0
-        self._spin_skip = 0
+        self._busy_poll = BusyPoll("DISTLIB_STORE_CLIENT_SPIN_US", DEFAULT_SPIN_US)
+        self._spin_level = 0  # see SPIN_BACKOFF_MAX_LEVEL
+        self._spin_skip = 0  # requests left to serve without spinning
+        self._poller: Optional[select.poll] = None
+        self._local_ip: Optional[str] = None  # set while connected over the same-host socket
         self._ordered = False
         self._server: Optional[_ServerHandle] = None
         self._server_finalizer: Optional[weakref.finalize] = None
@@ -237,6 +273,20 @@ class TCPStore(Store):
     def describe(self) -> str:
         return f"TCPStore server {format_endpoint(self._host, self._port)}"
 
+    def local_address(self) -> Optional[str]:
+        """The local IP of this client's connection: the route to the master that works."""
+        if self._local_ip is not None:  # the same-host socket: the loopback route it stands for
+            return self._local_ip
+        try:
+            return self._sock.getsockname()[0]
+        except OSError:
+            return None
+
+    @property
+    def transport(self) -> str:
+        """``"unix"`` over the same-host socket of a distlib server, else ``"tcp"``."""
+        return "unix" if self._local_ip is not None else "tcp"
+
     def __repr__(self) -> str:
         server = f"TCPServer(port={self._server.server.port})" if self._server is not None else "<nullptr>"
         return f"TCPStore(client=TCPClient(SocketImpl({describe_socket(self._sock)})), server={server})"
@@ -247,7 +297,10 @@ class TCPStore(Store):
         """Connect and handshake, retrying a failed handshake too, until the deadline."""
         last: Optional[Exception] = None
         while True:
-            sock = connect(self._host, self._port, deadline)
+            sock = self._connect_local(deadline)
+            if sock is None:
+                self._local_ip = None
+                sock = connect(self._host, self._port, deadline)
             try:
                 self._handshake(sock, deadline)
                 return
@@ -263,6 +316,49 @@ class TCPStore(Store):
                         f"to connect to ({self._host}, {self._port}): connected, but the handshake failed: {exc}"
                     ) from last
                 time.sleep(min(0.05, deadline.remaining()))
+
+    def _connect_local(self, deadline: Deadline) -> Optional[socket.socket]:
+        """The same-host transport: when ``host`` is a loopback address and a distlib server
+        listens on that port here, connect to its abstract UNIX socket instead of TCP.
+
+        Same protocol, same handshake, same server; only the kernel's path differs (a UNIX
+        socket costs about a third of TCP loopback per request). torch servers have no such
+        socket, so against them nothing changes; DISTLIB_STORE_UNIX=0 turns it off.
+        """
+        if not local_transport_enabled():
+            return None
+        ip = self._loopback_ip()
+        if ip is None:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.001, min(1.0, deadline.remaining())))
+            sock.connect(unix_socket_name(self._port))
+        except OSError:
+            sock.close()
+            return None
+        self._local_ip = ip
+        return sock
+
+    def _loopback_ip(self) -> Optional[str]:
+        """The loopback address ``host`` stands for, or None if it is not a loopback address.
+
+        Only IP literals and ``localhost`` qualify: any other name would cost a second name
+        lookup before every connect (and a slow resolver would delay remote clients).
+        """
+        host = self._host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host.split("%")[0])
+        except ValueError:
+            if host.lower() != "localhost":
+                return None
+            try:
+                addresses = [info[3][0] for info in resolve(self._host, self._port)]
+                ips = [ipaddress.ip_address(a.split("%")[0]) for a in addresses]
+            except (OSError, UnicodeError, ValueError):
+                return None
+            return addresses[0] if ips and all(_is_loopback(i) for i in ips) else None
+        return host if _is_loopback(ip) else None
 
     def _handshake(self, sock: socket.socket, deadline: Deadline) -> None:
         nonce = os.getpid() & 0xFFFFFFFF
@@ -281,7 +377,12 @@ class TCPStore(Store):
                 f"({format_endpoint(self._host, self._port)} answered, but not as a TCPStore server: "
                 f"is this the right port?)")
         self._ordered = reply[4] == READY
-        sock.settimeout(None)
+        # From here on the socket is non-blocking for good: replies are polled for (spin,
+        # then poll(2) with the deadline), with no per-call timeout or blocking-mode syscalls.
+        sock.setblocking(False)
+        poller = select.poll()
+        poller.register(sock.fileno(), _POLLIN)
+        self._poller = poller
         self._sock = sock
         self._rbuf = bytearray()
         self._broken = None
@@ -318,66 +419,112 @@ class TCPStore(Store):
             raise DistNetworkError(self._broken)
 
     def _send(self, data: bytes) -> None:
-        self._check_usable()
+        if self._broken is not None:
+            raise DistNetworkError(self._broken)
         try:
-            self._sock.sendall(data)
+            sent = self._sock.send(data)
+        except BlockingIOError:
+            sent = 0
         except OSError as exc:
             raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
+        if sent < len(data):
+            self._send_rest(memoryview(data)[sent:])
+
+    def _send_rest(self, data: memoryview) -> None:
+        """The kernel took part of a request (a large value, or a server that reads slowly):
+        send the rest as the socket drains, giving up after the reply deadline."""
+        limit = max(self._timeout_s, MIN_REPLY_DEADLINE)
+        deadline = time.monotonic() + limit
+        poller = select.poll()
+        poller.register(self._sock.fileno(), _POLLOUT)
+        while data:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(
+                    f"{self.describe()} did not take a request within {format_duration(limit)} "
+                    f"(the store timeout); the connection is no longer usable")
+            poller.poll(max(1, int(left * 1000)))
+            try:
+                sent = self._sock.send(data)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
+            data = data[sent:]
 
     def _recv(self, what: str, timeout: Optional[float]) -> None:
-        """Append at least one byte to the read buffer; _WaitTimedOut after ``timeout``."""
-        sock = self._sock
+        """Append at least one byte to the read buffer; _WaitTimedOut after ``timeout``
+        (None: a reply that must come at once, given max(store timeout, 30 s)).
+
+        Busy-polling first: read the socket without sleeping for up to the spin window
+        (DISTLIB_STORE_CLIENT_SPIN_US). On a VM whose idle vCPUs halt, a blocking read costs a
+        ~100 us wake-up per round trip; a reply from a healthy server on the same host or LAN
+        arrives well within the window. Spinning is skipped while more tasks are runnable
+        than there are CPUs (BusyPoll), and it backs off when replies keep missing the window
+        (an overloaded server): each miss doubles the number of requests between two spins
+        (up to 1024), each hit halves it, so one lucky hit among many misses does not bring
+        the spinning back. A WAIT's reply (``timeout`` given) comes when another client acts:
+        missing the window then says nothing about the server, and is not counted.
+        """
         if self._spin_skip:
             self._spin_skip -= 1
-        elif SPIN_S and self._spin_for_reply(what, timeout is None):
-            return
-        limit = max(self._timeout_s, MIN_REPLY_DEADLINE) if timeout is None else timeout
-        sock.settimeout(limit if limit > 0 else 0.0)
-        try:
-            chunk = sock.recv(65536)
-        except (socket.timeout, BlockingIOError):
-            if timeout is not None:
-                raise _WaitTimedOut() from None
-            raise self._fail(
-                f"{self.describe()} did not answer {what} within {format_duration(limit)} "
-                f"(the store timeout); the connection is no longer usable") from None
-        except OSError as exc:
-            raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
+            chunk = self._recv_blocking(what, timeout)
+        elif timeout != 0 and self._busy_poll.allowed():
+            chunk = self._recv_spinning(what, timeout)
+        else:
+            chunk = self._recv_blocking(what, timeout)
         if not chunk:
             raise self._fail(f"{_CLOSED_TEXT} ({self.describe()}, during {what})")
         self._rbuf += chunk
 
-    def _spin_for_reply(self, what: str, count_miss: bool) -> bool:
-        """Poll the socket without sleeping for up to SPIN_S; True if a reply arrived.
-
-        Why: on a VM whose idle vCPUs halt, a blocking recv costs a ~100 us wake-up per round
-        trip; a reply from a healthy server on the same host or LAN arrives well within the
-        window. When replies keep missing the window (an overloaded server, many clients on
-        few cores), spinning only burns CPU the server needs, so the client backs off
-        exponentially and stops spinning for up to 1024 requests.
-        """
-        sock = self._sock
-        sock.setblocking(False)
-        recv = sock.recv
+    def _recv_spinning(self, what: str, timeout: Optional[float]) -> bytes:
+        recv = self._sock.recv
         clock = time.perf_counter
-        until = clock() + SPIN_S
+        until = clock() + self._busy_poll.window
         while True:
             try:
-                chunk = recv(65536)
+                chunk = recv(_RECV_SIZE)
             except BlockingIOError:
                 if clock() < until:
                     continue
-                if count_miss:
-                    self._spin_misses += 1
-                    self._spin_skip = min(1024, 1 << self._spin_misses)
-                return False
+                break
             except OSError as exc:
                 raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
-            if not chunk:
-                raise self._fail(f"{_CLOSED_TEXT} ({self.describe()}, during {what})")
-            self._rbuf += chunk
-            self._spin_misses = 0
-            return True
+            if self._spin_level:
+                self._spin_level -= 1
+                self._spin_skip = (1 << self._spin_level) - 1
+            return chunk
+        if timeout is None:
+            if self._spin_level < SPIN_BACKOFF_MAX_LEVEL:
+                self._spin_level += 1
+            self._spin_skip = (1 << self._spin_level) - 1
+        return self._recv_blocking(what, timeout)
+
+    def _recv_blocking(self, what: str, timeout: Optional[float]) -> bytes:
+        """Block in poll(2) until the socket has data or the deadline passes; read it."""
+        limit = max(self._timeout_s, MIN_REPLY_DEADLINE) if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        poll = self._poller.poll
+        recv = self._sock.recv
+        left = limit
+        while True:
+            if left > 0:
+                # poll(2) counts whole milliseconds: round up, so a wait never ends early
+                poll(int(left * 1000) + 1)
+            try:
+                return recv(_RECV_SIZE)
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
+            left = deadline - time.monotonic()
+            if left > 0:
+                continue
+            if timeout is not None:
+                raise _WaitTimedOut()
+            raise self._fail(
+                f"{self.describe()} did not answer {what} within {format_duration(limit)} "
+                f"(the store timeout); the connection is no longer usable")
 
     def _read(self, n: int, what: str, timeout: Optional[float] = None) -> bytes:
         buf = self._rbuf
@@ -408,11 +555,11 @@ class TCPStore(Store):
         buf = self._rbuf
         while len(buf) < 8:
             self._recv(what, None)
-        n = _u64(buf)[0]
-        while len(buf) < 8 + n:
+        end = 8 + _u64(buf)[0]
+        while len(buf) < end:
             self._recv(what, None)
-        value = bytes(buf[8 : 8 + n])
-        del buf[: 8 + n]
+        value = bytes(buf[8:end])
+        del buf[:end]
         return value
 
     def _await_wait(self, seconds: float, what: str, held_reply: Optional[Callable[[], object]] = None):
@@ -424,30 +571,40 @@ class TCPStore(Store):
         or ``00 01`` (the wait completed just before the cancel arrived; then it counts as
         completed). Against a distlib server, the pipelined request's reply comes between.
         """
-        try:
-            code = self._read_u8(what, seconds)
-        except _WaitTimedOut:
-            self._send(proto.no_body(Op.CANCEL_WAIT))
-            code = self._read_u8(f"CANCEL_WAIT after {what}")
-            if code == STOP_WAITING:
-                held = held_reply() if held_reply else None
-                if self._read_u8(f"CANCEL_WAIT after {what}") != WAIT_CANCELED:
-                    raise self._fail("wait_canceled response is expected")
-                return True, held
-            if code != WAIT_CANCELED:
-                raise self._fail(f"wait_canceled response is expected (got {code})")
-            if held_reply:
-                held_reply()
-            return False, None
+        buf = self._rbuf
+        if not buf:
+            try:
+                self._recv(what, seconds)
+            except _WaitTimedOut:
+                return self._cancel_timed_out_wait(what, held_reply)
+        code = buf[0]
+        del buf[:1]
         if code != STOP_WAITING:
             raise self._fail(f"Stop_waiting response is expected (got {code})")
         return True, held_reply() if held_reply else None
+
+    def _cancel_timed_out_wait(self, what: str, held_reply: Optional[Callable[[], object]]):
+        """The wait's time is up: CANCEL_WAIT, then torch's two-byte race (_await_wait)."""
+        self._send(proto.no_body(Op.CANCEL_WAIT))
+        code = self._read_u8(f"CANCEL_WAIT after {what}")
+        if code == STOP_WAITING:
+            held = held_reply() if held_reply else None
+            if self._read_u8(f"CANCEL_WAIT after {what}") != WAIT_CANCELED:
+                raise self._fail("wait_canceled response is expected")
+            return True, held
+        if code != WAIT_CANCELED:
+            raise self._fail(f"wait_canceled response is expected (got {code})")
+        if held_reply:
+            held_reply()
+        return False, None
 
     # -- keys ------------------------------------------------------------------------------------
 
     @staticmethod
     def _wire(key: str) -> bytes:
-        data = ("/" + check_key(key)).encode("utf-8")
+        if type(key) is not str:
+            check_key(key)  # raises for anything that is not a str
+        data = ("/" + key).encode()
         if len(data) > MAX_KEY_BYTES:
             raise ValueError(f"TCPStore key of {len(data)} bytes exceeds the limit of {MAX_KEY_BYTES} bytes")
         return data
@@ -458,7 +615,7 @@ class TCPStore(Store):
 
     @staticmethod
     def _value(value: ValueLike, what: str = "value") -> bytes:
-        data = to_bytes(value, what)
+        data = value if type(value) is bytes else to_bytes(value, what)
         if len(data) > MAX_VALUE_BYTES:
             raise ValueError(f"TCPStore {what} of {len(data)} bytes exceeds the limit of {MAX_VALUE_BYTES} bytes")
         return data
@@ -469,8 +626,20 @@ class TCPStore(Store):
 
     # -- the Store API ---------------------------------------------------------------------------
 
+    # The hot paths (set, get, add, check, compare_set, wait) build their requests with one
+    # struct call and read short replies straight from the buffer; the bytes are
+    # protocol.py's (tests/store/test_tcp_store.py pins them).
+
     def set(self, key: str, value: ValueLike) -> None:
-        data = proto.set_(self._wire(key), self._value(value))
+        if type(key) is not str:
+            check_key(key)
+        wire = ("/" + key).encode()
+        if type(value) is not bytes:
+            value = to_bytes(value)
+        n, m = len(wire), len(value)
+        if n > MAX_KEY_BYTES or m > MAX_VALUE_BYTES:
+            self._wire(key), self._value(value)  # raise with the usual text
+        data = _OP_LEN(_SET, n) + wire + _pack_u64(m) + value
         with self._lock:
             self._send(data)
 
@@ -478,13 +647,29 @@ class TCPStore(Store):
         wire = self._wire(key)
         seconds = self._timeout_s
         with self._lock:
-            if self._ordered:
-                self._send(proto.keys_request(_WAIT, [wire]) + proto.get(wire))
-                done, value = self._await_wait(seconds, "GET", lambda: self._read_blob("GET"))
-                if not done:
-                    raise self._timeout_error([wire], seconds)
-                return value
-            return self._get_from_torch_server(wire, seconds)
+            if not self._ordered:
+                return self._get_from_torch_server(wire, seconds)
+            n = len(wire)
+            self._send(_WAIT_ONE(_WAIT, 1, n) + wire + _OP_LEN(_GET, n) + wire)
+            buf = self._rbuf
+            if not buf:
+                try:
+                    self._recv("GET", seconds)
+                except _WaitTimedOut:
+                    done, value = self._cancel_timed_out_wait("GET", lambda: self._read_blob("GET"))
+                    if not done:
+                        raise self._timeout_error([wire], seconds) from None
+                    return value
+            if buf[0] != STOP_WAITING:
+                raise self._fail(f"Stop_waiting response is expected (got {buf[0]})")
+            if len(buf) >= 9:
+                end = 9 + _u64(buf, 1)[0]
+                if len(buf) >= end:  # the usual case: the whole reply came in one read
+                    value = bytes(buf[9:end])
+                    del buf[:end]
+                    return value
+            del buf[:1]
+            return self._read_blob("GET")
 
     def _get_from_torch_server(self, wire: bytes, seconds: float) -> bytes:
         """torch's sequence: WAIT, then GET. A libuv server may wake a WAIT although the key
@@ -504,29 +689,41 @@ class TCPStore(Store):
                 return value
 
     def add(self, key: str, amount: int) -> int:
-        data = proto.add(self._wire(key), int(amount))
+        wire = self._wire(key)
+        data = _OP_LEN(_ADD, len(wire)) + wire + _pack_i64(int(amount))
         with self._lock:
             self._send(data)
             return self._read_i64("ADD")
 
     def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
-        data = proto.compare_set(self._wire(key), self._value(expected_value, "expected_value"),
-                                 self._value(desired_value, "desired_value"))
+        wire = self._wire(key)
+        expected = self._value(expected_value, "expected_value")
+        desired = self._value(desired_value, "desired_value")
+        data = (_OP_LEN(_CAS, len(wire)) + wire + _pack_u64(len(expected)) + expected
+                + _pack_u64(len(desired)) + desired)
         with self._lock:
             self._send(data)
             return self._read_blob("COMPARE_SET")
 
     def check(self, keys: List[str]) -> bool:
-        data = proto.keys_request(Op.CHECK, self._wires(keys))
+        wires = self._wires(keys)
+        if len(wires) == 1:
+            data = _WAIT_ONE(_CHECK, 1, len(wires[0])) + wires[0]
+        else:
+            data = proto.keys_request(Op.CHECK, wires)
         with self._lock:
             self._send(data)
             return self._read_u8("CHECK") == READY
 
     def wait(self, keys: List[str], timeout: Optional[TimeoutLike] = None) -> None:
         wires = self._wires(keys)
-        seconds = self._wait_seconds(timeout)
+        seconds = self._wait_seconds(timeout) if timeout is not None else self._timeout_s
+        if len(wires) == 1:
+            data = _WAIT_ONE(_WAIT, 1, len(wires[0])) + wires[0]
+        else:
+            data = proto.keys_request(Op.WAIT, wires)
         with self._lock:
-            self._send(proto.keys_request(_WAIT, wires))
+            self._send(data)
             done, _ = self._await_wait(seconds, "WAIT")
         if not done:
             raise self._timeout_error(wires, seconds)

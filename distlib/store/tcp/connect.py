@@ -18,9 +18,11 @@ to connect to (<host>, <port>).``) so code matching torch's text keeps matching.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import random
 import socket
+import threading
 import time
 from typing import List, Optional, Tuple
 
@@ -37,6 +39,7 @@ NAME_NOT_RESOLVED = "name not resolved"
 CONNECTION_REFUSED = "connection refused (nobody listening)"
 HOST_UNREACHABLE = "host unreachable"
 NO_ANSWER = "no answer (timed out)"
+NAME_LOOKUP_STALLED = "name lookup did not finish"
 
 _UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
 
@@ -76,6 +79,44 @@ def resolve(host: str, port: int) -> List[Tuple]:
     return out
 
 
+class NameLookupStalled(socket.gaierror):
+    """getaddrinfo did not return within the time left: the resolver (DNS server, NSS
+    module) hangs. Raised instead of waiting on it, so a connect keeps its deadline."""
+
+
+def resolve_within(host: str, port: int, seconds: float) -> List[Tuple]:
+    """``resolve``, giving up after ``seconds``.
+
+    Why: getaddrinfo has no timeout of its own, and a stalled resolver (a DNS server that
+    drops queries, say) can block it for far longer than the caller's deadline. IP literals
+    need no resolver and are resolved in place; names are looked up on a daemon thread that
+    is abandoned (it ends when the resolver gives up) if it does not answer in time.
+    """
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        pass
+    else:
+        return resolve(host, port)
+    outcome: List = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            outcome.append(resolve(host, port))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            outcome.append(exc)
+        done.set()
+
+    threading.Thread(target=lookup, name=f"distlib-resolve-{host}", daemon=True).start()
+    if not done.wait(max(0.0, seconds)):
+        raise NameLookupStalled(
+            socket.EAI_AGAIN, f"{NAME_LOOKUP_STALLED} within {format_duration(max(0.0, seconds))}")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
 def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore server") -> socket.socket:
     """Connect to ``host:port``, retrying until ``deadline``; raise DistNetworkError after.
 
@@ -88,7 +129,10 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore serv
     while True:
         attempts += 1
         try:
-            candidates = resolve(host, port)
+            candidates = resolve_within(host, port, max(0.05, deadline.remaining()))
+        except NameLookupStalled as exc:
+            last_failure = f"{NAME_NOT_RESOLVED} ({exc.strerror})"
+            candidates = []
         except socket.gaierror as exc:
             last_failure = f"{NAME_NOT_RESOLVED} ({exc.strerror})"
             candidates = []
@@ -134,4 +178,7 @@ def describe_socket(sock: Optional[socket.socket]) -> str:
         remote = sock.getpeername()
     except OSError:
         return "closed"
+    if getattr(socket, "AF_UNIX", None) is not None and sock.family == socket.AF_UNIX:
+        name = remote.decode("ascii", "replace").lstrip("\0") if isinstance(remote, bytes) else remote
+        return f"same-host socket -> @{name}"
     return f"{format_endpoint(local[0], local[1])} -> {format_endpoint(remote[0], remote[1])}"

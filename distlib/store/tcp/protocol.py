@@ -310,6 +310,75 @@ def parse_request(buf, pos: int, end: int, limits: Limits):
     raise ProtocolError(f"unknown opcode 0x{op:02x}")
 
 
+def request_end(buf, pos: int, end: int, limits: Limits) -> int:
+    """Where the request starting at ``buf[pos]`` ends, without decoding it.
+
+    Returns the offset just past the request, or ``-need`` when the buffer ends first
+    (``need`` = how many bytes from the start of ``buf`` are needed before it is worth
+    looking again). Raises ProtocolError as parse_request does (unknown opcode, a length
+    over the limits, checked as soon as the length field is there).
+    """
+    op = buf[pos]
+    p = pos + 1
+    kind = _SHAPES.get(op)
+    if kind is None:
+        raise ProtocolError(f"unknown opcode 0x{op:02x}")
+    if kind == "u32":
+        return p + 4 if p + 4 <= end else -(p + 4)
+    if kind == "none":
+        return p
+    if kind == "keys" or kind == "pairs":
+        if p + 8 > end:
+            return -(p + 8)
+        (n,) = _u64_from(buf, p)
+        if n > limits.max_keys:
+            raise ProtocolError(f"request lists {n} keys, over the limit of {limits.max_keys}")
+        p += 8
+        caps = ((limits.max_key, "key"),) if kind == "keys" else ((limits.max_key, "key"), (limits.max_value, "value"))
+        for _ in range(n):
+            for cap, what in caps:
+                p = _skip_blob(buf, p, end, cap, what)
+                if p < 0:
+                    return p
+        return p
+    for cap_name, what in kind:
+        if cap_name == "i64":
+            p += 8
+            if p > end:
+                return -p
+            continue
+        p = _skip_blob(buf, p, end, getattr(limits, cap_name), what)
+        if p < 0:
+            return p
+    return p
+
+
+def _skip_blob(buf, p: int, end: int, cap: int, what: str) -> int:
+    if p + 8 > end:
+        return -(p + 8)
+    (n,) = _u64_from(buf, p)
+    if n > cap:
+        raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {cap} bytes")
+    p += 8 + n
+    return p if p <= end else -p
+
+
+_KEY = ("max_key", "key")
+_VALUE = ("max_value", "value")
+_I64 = ("i64", "")
+#: The shape of each request body, for request_end.
+_SHAPES = {
+    Op.VALIDATE: "u32", Op.PING: "u32",
+    Op.GETNUMKEYS: "none", Op.CANCEL_WAIT: "none", Op.LIST_KEYS: "none",
+    Op.CHECK: "keys", Op.WAIT: "keys", Op.MULTI_GET: "keys", Op.MULTI_SET: "pairs",
+    Op.SET: (_KEY, _VALUE), Op.APPEND: (_KEY, _VALUE), Op.QUEUE_PUSH: (_KEY, _VALUE),
+    Op.GET: (_KEY,), Op.DELETE_KEY: (_KEY,), Op.QUEUE_POP: (_KEY,), Op.QUEUE_LEN: (_KEY,),
+    Op.ADD: (_KEY, _I64), Op.BARRIER: (_KEY, _I64),
+    Op.COMPARE_SET: (_KEY, ("max_value", "expected value"), ("max_value", "desired value")),
+}
+_SHAPES = {int(k): v for k, v in _SHAPES.items()}
+
+
 def describe_key(key: bytes) -> str:
     """A key for log lines and errors: text when it is text, escaped bytes otherwise."""
     try:

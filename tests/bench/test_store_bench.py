@@ -1,0 +1,100 @@
+"""``distlib bench store`` without torch: the command runs, its table and JSON have every
+load, and its load generators do what they claim (the barrier ranks really pass a barrier,
+the storm's clients really connect). Numbers are reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+
+from distlib.bench import store as bench
+from distlib.store.tcp import StoreServer, TCPStore
+
+SECTIONS = {"single client", "concurrent clients", "barrier", "connect storm", "FileStore"}
+
+
+def run_bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The command, in its own process (it forks its children from a clean parent)."""
+    return subprocess.run([sys.executable, "-m", "distlib.cli", "bench", "store", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_quick_run_prints_every_load_and_writes_json(tmp_path):
+    out = tmp_path / "store.json"
+    result = run_bench("--quick", "--no-torch", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for section in SECTIONS:
+        assert f"[{section}]" in text
+    for load in ("set (fire-and-forget)", "get", "add", "check", "compare_set", "wait (key exists)",
+                 "multi_get (8 keys)", "64 ranks", "32 clients connect at once", "replays 1,000 entries"):
+        assert load in text, load
+    assert "torch not measured: --no-torch" in text
+    assert "n/a (no torch)" in text  # relative targets cannot be judged without torch
+
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "distlib bench store" and doc["implementations"] == ["distlib"]
+    assert {row["section"] for row in doc["rows"]} == SECTIONS
+    for row in doc["rows"]:
+        assert row["distlib"]["median"] > 0, row
+        assert row["distlib"]["rounds"], row
+        assert "torch" not in row
+    assert doc["failures"] == [] and doc["environment"]["torch"] is None
+    assert doc["environment"]["client_transports"] == {"distlib": "unix"}
+    storm = [row for row in doc["rows"] if row["section"] == "connect storm"][0]
+    assert doc["connect_storm"]["distlib"][0]["failed"] == 0
+    assert storm["unit"] == "s" and storm["higher_is_better"] is False
+
+
+def test_json_to_stdout_puts_the_table_on_stderr_and_tcp_transport():
+    result = run_bench("--quick", "--no-torch", "--sections", "single", "--distlib-transport", "tcp",
+                       "--json", "-", "--quiet")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [row["section"] for row in doc["rows"]] == ["single client"] * len(bench.SINGLE_OPS)
+    assert doc["environment"]["client_transports"] == {"distlib": "tcp"}
+    assert "[single client]" in result.stderr and "distlib clients over TCP" in result.stderr
+
+
+def test_bad_options_are_refused():
+    assert run_bench("--sections", "nonsense").returncode == 2
+    assert run_bench("--clients", "0").returncode == 2
+
+
+def test_barrier_ranks_pass_a_real_barrier():
+    """W raw-protocol ranks: each ADDs, the one that reads W sets done, all WAIT; every
+    iteration uses fresh keys and leaves the counter at exactly W."""
+    server = StoreServer("127.0.0.1", 0).start()
+    world = 40
+    ranks = bench._BarrierRanks("127.0.0.1", server.port, world, 2, "test")
+    try:
+        ranks.wait_ready(60)
+        times = ranks.run(3)
+        assert len(times) == 3 and all(t > 0 for t in times)
+        probe = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=10))
+        for it in range(3):
+            assert probe.get(f"bench/barrier/{it}/arrive") == str(world).encode()
+            assert probe.get(f"bench/barrier/{it}/done") == b"1"
+        probe.close()
+    finally:
+        ranks.stop()
+        server.stop()
+
+
+def test_connect_storm_child_connects_everyone():
+    server = StoreServer("127.0.0.1", 0).start()
+    try:
+        result = bench._storm_child(None, "distlib", "127.0.0.1", server.port, True, 24, 30.0)
+    finally:
+        server.stop()
+    assert result["failed"] == 0 and result["errors"] == []
+    assert len(result["durations"]) == 24 and result["all_connected_s"] > 0
+
+
+@pytest.mark.parametrize("prefix, i, key", [("k", 0, "k000000000000000"), ("c12.", 3, "c12.000000000003")])
+def test_keys_are_sixteen_bytes(prefix, i, key):
+    assert bench._key(prefix, i) == key and len(key) == 16
