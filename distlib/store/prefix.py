@@ -58,7 +58,14 @@ class PrefixStore(Store):
         return [self._prefix + "/" + k for k in check_keys(keys)]
 
     def describe(self) -> str:
-        return f"{self._store.describe()} under prefix {self._prefix!r}"
+        """The store below every prefix, and the one prefix all of this store's keys carry
+        (nested PrefixStores read as one: ``TCPStore server m:29500, keys under 'a/b/'``)."""
+        full = self._prefix + "/"
+        store = self._store
+        while isinstance(store, PrefixStore):
+            full = store._prefix + "/" + full
+            store = store._store
+        return f"{store.describe()}, keys under {full!r}"
 
     # -- timeout forwards ----------------------------------------------------------------------
 

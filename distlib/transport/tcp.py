@@ -39,7 +39,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError, DistNetworkError
@@ -64,8 +64,22 @@ def endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class BlockedSend:
+    """A send that waits for the peer to read (its TCP window is closed): listed among the
+    waits a heartbeat reports, as receives are."""
+
+    __slots__ = ("conn", "what")
+    sending = True
+
+    def __init__(self, conn: "PeerConnection", what: str):
+        self.conn = conn
+        self.what = what
+
+
 class Slot:
     """A posted receive: where the payload goes and what the frame must look like."""
+
+    sending = False  # see BlockedSend
 
     __slots__ = ("view", "kind", "op", "dtype", "redop", "nbytes", "count", "what",
                  "event", "done", "error", "source", "conn")
@@ -159,7 +173,8 @@ class Mesh:
         self.error: Optional[DistBackendError] = None
         self.closed = False
         self.listener: Optional[socket.socket] = None
-        self.waits: Dict[int, Tuple[Slot, float]] = {}  # receives threads are blocked on
+        # what threads are blocked on (receives, and sends the peer does not read): for heartbeats
+        self.waits: Dict[int, Tuple[Union[Slot, BlockedSend], float]] = {}
         self._last_beat = 0.0
         self._spin_misses = 0
         self._spin_skip = 0
@@ -281,26 +296,39 @@ class Mesh:
                 conn.leftover = b""
             if payload.nbytes:
                 pending.append(payload.cast("B") if payload.format != "B" else payload)
-            while pending:
-                try:
-                    sent = sock.sendmsg(pending)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0  # a SLICE passed with the peer's window closed
-                except OSError as exc:
-                    raise self._send_failed(conn, what, exc) from None
-                while sent and pending:
-                    head = pending[0]
-                    if sent >= head.nbytes:
-                        sent -= head.nbytes
-                        pending.pop(0)
-                    else:
-                        pending[0] = head[sent:]
-                        sent = 0
-                if pending:
-                    if self.error is not None:
-                        raise self.error
-                    if deadline.expired():
-                        raise self._timeout(conn, f"sending {what} (the peer is not reading)", deadline)
+            blocked_key = None
+            try:
+                while pending:
+                    try:
+                        sent = sock.sendmsg(pending)
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0  # a SLICE passed with the peer's window closed
+                    except OSError as exc:
+                        raise self._send_failed(conn, what, exc) from None
+                    while sent and pending:
+                        head = pending[0]
+                        if sent >= head.nbytes:
+                            sent -= head.nbytes
+                            pending.pop(0)
+                        else:
+                            pending[0] = head[sent:]
+                            sent = 0
+                    if pending:
+                        if self.error is not None:
+                            raise self.error
+                        if deadline.expired():
+                            raise self._timeout(conn, f"sending {what} (the peer is not reading)", deadline)
+                        if blocked_key is None:
+                            # The peer's window is closed: this thread now waits on it, and
+                            # the heartbeats must say so, or the ranks waiting on this one
+                            # would count it as silent and blame it.
+                            blocked = BlockedSend(conn, what)
+                            blocked_key = id(blocked)
+                            self.waits[blocked_key] = (blocked, time.monotonic())
+                        self._heartbeat()
+            finally:
+                if blocked_key is not None:
+                    self.waits.pop(blocked_key, None)
 
     def _send_failed(self, conn: PeerConnection, what: str, exc: Optional[OSError]) -> DistBackendError:
         error = self._peer_lost(conn, f"sending {what}", exc)
@@ -384,15 +412,26 @@ class Mesh:
                         self._rearm(conn)
                 else:
                     self._help(conn)
+                    self._heartbeat()
                     if not slot.event.wait(min(0.01, max(0.0, deadline.remaining()))):
                         if deadline.expired() and not slot.done:
                             self._give_up(slot, deadline)
         finally:
             self.waits.pop(key, None)
         if slot.error is not None:
-            self.abort(slot.error)  # this operation failed: tell the other ranks
-            raise slot.error
+            raise self._operation_failed(slot.error)
         return slot.source
+
+    def _operation_failed(self, error: BaseException) -> BaseException:
+        """What an operation whose receive failed raises: its own error, after telling the
+        other ranks (abort), unless the mesh had already learnt the cause. A peer that aborts
+        closes its connections, and its ABORT can arrive on another connection than the one
+        whose close this rank saw first (or be lost to a reset); the cause beats the symptom."""
+        if getattr(error, "connection_lost", False) and self.error is not None \
+                and not getattr(self.error, "connection_lost", False):
+            return self.error
+        self.abort(error)  # this operation failed: tell the other ranks
+        return error
 
     def try_wait(self, slot: Slot, deadline: Deadline) -> bool:
         """Like wait, but a deadline that passes withdraws the receive and returns False
@@ -432,6 +471,7 @@ class Mesh:
                 if self.error is not None:
                     slot.fail(self.error)
                 self._help(conn)
+                self._heartbeat()
                 continue
             self._read_frame(conn)
 
@@ -528,6 +568,7 @@ class Mesh:
             deadline = deadline or Deadline(self.timeout_s)
             if deadline.expired():
                 raise self._timeout(conn, f"the rest of {what}", deadline)
+            self._heartbeat()  # this thread may be the progress thread: it still beats
 
     def _read_frame(self, conn: PeerConnection) -> None:
         """Read one frame from ``conn`` and deliver it; on failure abort the mesh."""
@@ -653,17 +694,26 @@ class Mesh:
                     self._rearm(conn)
 
     def _heartbeat(self) -> None:
-        """Tell every peer what this rank has been waiting for (if for a while)."""
+        """Tell every peer what this rank has been waiting for (if for a while).
+
+        Called by the progress thread and by every thread that waits (receiving, or sending
+        to a peer that does not read), at most once per HEARTBEAT_INTERVAL in all: any one of
+        them may be the thread that is stuck (the progress thread in the middle of a frame
+        from a peer that was cut off), and the rank must not fall silent because of it.
+        """
         now = time.monotonic()
         if now - self._last_beat < HEARTBEAT_INTERVAL:
             return
-        oldest = min(self.waits.values(), key=lambda item: item[1], default=None)
+        oldest = min(list(self.waits.values()), key=lambda item: item[1], default=None)
         if oldest is None or now - oldest[1] < HEARTBEAT_INTERVAL:
             return
         self._last_beat = now
         slot, since = oldest
         who = slot.conn.name() if slot.conn is not None else "any rank"
-        data = f"waiting {now - since:.0f}s for {slot.what} from {who}".encode("utf-8")
+        if slot.sending:
+            data = f"waiting {now - since:.0f}s to send {slot.what} to {who} (it is not reading)".encode("utf-8")
+        else:
+            data = f"waiting {now - since:.0f}s for {slot.what} from {who}".encode("utf-8")
         frame = frames.pack(HEARTBEAT, 0, 0, 0, 0, 0, 0, len(data)) + data
         for conn in self.conns:
             if conn is None or conn.failed is not None or not conn.send_lock.acquire(blocking=False):

@@ -120,6 +120,76 @@ def killed_during_all_reduce(rank, ws, port, victim):
         return str(exc), time.monotonic() - start
 
 
+def sender_blocked_on_a_stopped_rank(rank, ws, path):
+    """Rank 2 is stopped (SIGSTOP: not even its progress thread reads), rank 1 sends it
+    64 MiB and blocks in the send, rank 0 waits for a message from rank 1. Rank 0's timeout
+    must say that rank 1 is alive and blocked sending to rank 2, not that rank 1 is silent."""
+    import signal
+
+    import distlib as dist
+
+    os.environ["DISTLIB_SHM"] = "0"
+    store = dist.FileStore(path + ".pids", ws)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=ws,
+                            timeout=timedelta(seconds=7))
+    store.set(f"pid{rank}", str(os.getpid()))
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return "resumed", 0.0
+    try:
+        if rank == 1:
+            time.sleep(0.5)  # rank 2 is stopped by now
+            dist.send(np.ones(16 << 20, np.float32), dst=2)
+        else:
+            dist.recv(np.empty(1, np.float32), src=1)
+        return "no error", time.monotonic() - start
+    except dist.DistBackendError as exc:
+        return str(exc), time.monotonic() - start
+    finally:
+        if rank == 0:
+            os.kill(int(store.get("pid2")), signal.SIGKILL)
+
+
+def progress_thread_stuck_mid_frame(rank, ws, path):
+    """Rank 2 sends rank 1 the first bytes of a 1 MiB frame and stops (SIGSTOP), the way a
+    rank cut off the network stops mid-frame: rank 1's progress thread is stuck reading the
+    rest. Ranks 0 and 1 wait for a message from each other (rank 1 starting a second later,
+    so rank 0's wait expires first). Rank 0's timeout must say that rank 1 is alive, not
+    that it is silent."""
+    import signal
+
+    import distlib as dist
+    from distlib.distributed import get_default_group
+    from distlib.transport import frames
+
+    os.environ["DISTLIB_SHM"] = "0"
+    store = dist.FileStore(path + ".pids", ws)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=ws,
+                            timeout=timedelta(seconds=7))
+    store.set(f"pid{rank}", str(os.getpid()))
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 2:
+        time.sleep(0.5)
+        mesh = next(iter(get_default_group().backends.values())).meshes[0]
+        header = frames.pack(frames.P2P, frames.OPS["send"], 0, 0, 99, 0, 1 << 18, 1 << 20)
+        mesh.conns[1].sock.sendall(header + bytes(100))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return "resumed", 0.0
+    if rank == 1:
+        time.sleep(1.0)
+    try:
+        dist.recv(np.empty(1, np.float32), src=1 - rank)
+        return "no error", time.monotonic() - start
+    except dist.DistBackendError as exc:
+        return str(exc), time.monotonic() - start
+    finally:
+        if rank == 0:
+            os.kill(int(store.get("pid2")), signal.SIGKILL)
+
+
 def port_range_init(rank, ws, path, low, high):
     import distlib as dist
 
@@ -224,7 +294,9 @@ def silent_rank_during_ring(rank, ws, path, silent):
     os.environ["DISTLIB_SHM"] = "0"
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=ws,
                             timeout=timedelta(seconds=9))
-    big = np.ones(4 << 20, np.float32)
+    # 64 MiB: more than the sockets buffer, so the rank sending to the silent one blocks in
+    # its send (and must still be reported alive)
+    big = np.ones(16 << 20, np.float32)
     dist.all_reduce(big)
     if rank == silent:
         time.sleep(14)

@@ -287,3 +287,14 @@ def test_blocking_queue_pop_woken_by_push(queue_store):
     thread.start()
     assert queue_store.queue_pop("jobs") == b"work"
     thread.join(5)
+
+
+def test_nested_prefix_stores_describe_themselves_as_one_prefix():
+    """Errors name where a store's keys live: the base store and the one prefix they carry."""
+    from distlib.store import HashStore, PrefixStore
+
+    base = HashStore()
+    nested = PrefixStore("cpu/", PrefixStore("default_pg", PrefixStore("distlib/run/a", base)))
+    nested.set("k", "v")
+    assert base.get("distlib/run/a/default_pg/cpu//k") == b"v"
+    assert nested.describe() == f"{base.describe()}, keys under 'distlib/run/a/default_pg/cpu//'"
