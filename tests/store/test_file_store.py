@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import gc
+import json
 import os
 import re
 import signal
@@ -40,6 +41,9 @@ from distlib.store.file import (
 )
 
 CAPTURE = Path(__file__).resolve().parents[3] / "shared" / "spec" / "captures" / "filestore.txt"
+#: The file images the tests compare with, taken from CAPTURE once, so that the tests run
+#: from any clone (test_images_match_the_capture checks them against it where it exists).
+IMAGES = Path(__file__).resolve().parent / "data" / "torch_filestore_images.json"
 
 # torch 2.13: FileStore(path, 2) on a new file, then set('a', 'hello') (captures/filestore.txt)
 TORCH_AFTER_CTOR = bytes.fromhex("09000000 72656663 6f756e74 2f 01000000 31")
@@ -47,10 +51,12 @@ TORCH_AFTER_SET_A = TORCH_AFTER_CTOR + bytes.fromhex("02000000 2f61 05000000 686
 
 
 def capture_image(title: str) -> bytes:
+    """The bytes of torch's store file after the step ``title`` of the capture."""
+    return bytes.fromhex(json.loads(IMAGES.read_text())["images"][title])
+
+
+def image_in_capture(text: str, title: str) -> bytes:
     """The file bytes the capture shows under the section whose header starts with title."""
-    if not CAPTURE.exists():
-        pytest.skip(f"capture not found: {CAPTURE}")
-    text = CAPTURE.read_text()
     start = text.index("## " + title)
     end = text.find("\n## ", start + 3)
     section = text[start : end if end != -1 else len(text)]
@@ -58,6 +64,14 @@ def capture_image(title: str) -> bytes:
     for match in re.finditer(r"^\s+[0-9a-f]{6}  ((?:[0-9a-f]{2} )+)", section, re.M):
         data += bytes.fromhex(match.group(1))
     return bytes(data)
+
+
+def test_images_match_the_capture():
+    if not CAPTURE.exists():
+        pytest.skip(f"the team's capture is not beside this clone: {CAPTURE}")
+    text = CAPTURE.read_text()
+    for title, data in json.loads(IMAGES.read_text())["images"].items():
+        assert image_in_capture(text, title).hex() == data, title
 
 
 def rec(key: bytes, value: bytes) -> bytes:
