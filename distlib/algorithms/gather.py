@@ -39,17 +39,18 @@ def broadcast(ctx: OpContext, flat: np.ndarray, root: int) -> None:
 
 
 def _scatter_allgather_broadcast(ctx: OpContext, flat: np.ndarray, root: int) -> None:
-    """Relative rank v = (r - root) % n owns chunk v after the scatter; then the ring."""
+    """Relative rank v = (r - root) % n owns chunk v after the scatter; then the ring.
+
+    Every receive is posted before anything is sent or awaited (they fill disjoint chunks of
+    ``flat``), so frames land in place however far ahead the root and the left neighbour run.
+    """
     n, r = ctx.size, ctx.rank
     v = (r - root) % n
     bounds = chunk_bounds(flat.size, n)
-    if r == root:
-        for i in range(1, n):
-            lo, hi = bounds[i]
-            ctx.send((root + i) % n, bview(flat[lo:hi]), 0)
-    else:
+    scatter_slot = None
+    if r != root:
         lo, hi = bounds[v]
-        ctx.wait(ctx.post(root, bview(flat[lo:hi]), 0))
+        scatter_slot = ctx.post(root, bview(flat[lo:hi]), 0)
     # ring over relative ranks: rank r holds chunk v = (r - root) % n
     right, left = (r + 1) % n, (r - 1) % n
     itemsize = flat.itemsize
@@ -58,6 +59,12 @@ def _scatter_allgather_broadcast(ctx: OpContext, flat: np.ndarray, root: int) ->
         lo, hi = bounds[(v - s - 1) % n]
         slots.append([ctx.post(left, bview(flat[a:b]), (1 + s) * STEP_STRIDE + k)
                       for k, (a, b) in enumerate(pieces(lo, hi, itemsize))])
+    if r == root:
+        for i in range(1, n):
+            lo, hi = bounds[i]
+            ctx.send((root + i) % n, bview(flat[lo:hi]), 0)
+    else:
+        ctx.wait(scatter_slot)
     for s in range(n - 1):
         lo, hi = bounds[(v - s) % n]
         for k, (a, b) in enumerate(pieces(lo, hi, itemsize)):

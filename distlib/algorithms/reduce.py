@@ -8,7 +8,7 @@ element is reduced once, in one fixed order, and then copied):
 * **recursive doubling** (small arrays, many ranks): log2(n) rounds; a non-power-of-two
   group first folds its extra ranks into the others and unfolds at the end.
 * **ring** (large arrays): reduce-scatter then all-gather around the ring, 2(n-1)/n of the
-  array per rank on the wire, cut into ~1 MiB pieces so reducing one piece overlaps with
+  array per rank on the wire, cut into ~4 MiB pieces (DISTLIB_PIPE_KB) so reducing one piece overlaps with
   receiving the next, and the all-gather receiving straight into the output.
 """
 
@@ -19,7 +19,7 @@ from typing import List, Optional
 import numpy as np
 
 from ..reduce_op import ReduceOp, accumulate, combine
-from .context import STEP_STRIDE, OpContext, bview, chunk_bounds, pieces
+from .context import SCRATCH_LIMIT, STEP_STRIDE, OpContext, ScratchPool, bview, chunk_bounds, pieces
 
 
 def in_rank_order(op: ReduceOp, contributions, n: int) -> np.ndarray:
@@ -85,6 +85,13 @@ def ring(ctx: OpContext, flat: np.ndarray, op: Optional[ReduceOp], owner_shift: 
     chunk ``r + o - t`` and receives chunk ``r + o - t - 1`` straight into ``flat``.
     In both, what arrives at step s is what leaves at step s+1, so each piece is forwarded
     the moment it is reduced (or received): sending, receiving and reducing overlap.
+
+    Receives are posted ahead, so that a frame from a left neighbour that runs ahead lands
+    where it belongs instead of in a temporary buffer (an allocation and a second copy):
+    every gather step at once (it receives into ``flat``: a chunk's final value can only
+    arrive after this rank has sent its own part of it, so nothing this rank still reads is
+    overwritten), and reduce steps up to ``depth`` ahead, each into its own scratch slot
+    (``depth`` slots of one chunk, within ScratchPool's limit).
     """
     n, r = ctx.size, ctx.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -99,31 +106,47 @@ def ring(ctx: OpContext, flat: np.ndarray, op: Optional[ReduceOp], owner_shift: 
         return (r + owner_shift - 1 - i) % n if kind == "reduce" else (r + owner_shift - i) % n
 
     longest = max(hi - lo for lo, hi in bounds)
-    scratch = [np.empty(longest, flat.dtype), np.empty(longest, flat.dtype)] if reduce_phase else []
+    depth = 1
+    pool = raw = None
+    if reduce_phase:
+        depth = min(n - 1, max(2, SCRATCH_LIMIT // max(1, longest * flat.itemsize)))
+        pool = ScratchPool.of(ctx.mesh)
+        raw = pool.take(depth * longest * flat.itemsize)
+        scratch = raw.view(flat.dtype).reshape(depth, longest)
 
     def post(index: int):
         kind, i = steps[index]
         chunk = (sent_chunk(kind, i) - 1) % n
         lo = bounds[chunk][0]
-        target = scratch[index % 2] if kind == "reduce" else flat
+        target = scratch[index % depth] if kind == "reduce" else flat
         offset = lo if kind == "reduce" else 0
         return [(ctx.post(left, bview(target[a - offset:b - offset]), index * STEP_STRIDE + k), a, b,
                  target[a - offset:b - offset]) for k, (a, b) in enumerate(chunk_pieces[chunk])]
 
-    first = sent_chunk(*steps[0])
-    posted = post(0)
-    for k, (a, b) in enumerate(chunk_pieces[first]):
-        ctx.send(right, bview(flat[a:b]), k)
-    for index, (kind, _) in enumerate(steps):
-        following = post(index + 1) if index + 1 < len(steps) else None
-        forward = index + 1 < len(steps)
-        for k, (slot, a, b, buf) in enumerate(posted):
-            ctx.wait(slot)
-            if kind == "reduce":
-                accumulate(op, flat[a:b], buf)
-            if forward:
-                ctx.send(right, bview(flat[a:b]), (index + 1) * STEP_STRIDE + k)
-        posted = following
+    try:
+        posted = {}
+        reduce_steps = n - 1 if reduce_phase else 0
+        for index in range(min(depth, reduce_steps)):
+            posted[index] = post(index)
+        for index in range(reduce_steps, len(steps)):
+            posted[index] = post(index)
+        first = sent_chunk(*steps[0])
+        for k, (a, b) in enumerate(chunk_pieces[first]):
+            ctx.send(right, bview(flat[a:b]), k)
+        for index, (kind, _) in enumerate(steps):
+            forward = index + 1 < len(steps)
+            for k, (slot, a, b, buf) in enumerate(posted.pop(index)):
+                ctx.wait(slot)
+                if kind == "reduce":
+                    accumulate(op, flat[a:b], buf)
+                if forward:
+                    ctx.send(right, bview(flat[a:b]), (index + 1) * STEP_STRIDE + k)
+            ahead = index + depth  # its scratch slot was this step's, now consumed
+            if kind == "reduce" and ahead < reduce_steps:
+                posted[ahead] = post(ahead)
+    finally:
+        if pool is not None:
+            pool.release(raw)
     return bounds
 
 

@@ -426,3 +426,10 @@ def world_info(rank, ws):
         # after every test that ran on this pool before: the progress threads must still be up
         "progress_threads_alive": all(m._progress is None or m._progress.is_alive() for m in meshes),
     }
+
+
+def pipelining_settings(rank, ws):
+    """The piece size and scratch budget this rank's ring runs with."""
+    from distlib.algorithms import context
+
+    return context.PIPE_BYTES, context.SCRATCH_LIMIT
