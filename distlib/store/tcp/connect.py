@@ -31,7 +31,7 @@ from ...errors import DistNetworkError
 
 log = logging.getLogger("distlib.store.tcp.connect")
 
-FIRST_RETRY_DELAY = 0.02  # s; a master that starts a moment late is found quickly
+FIRST_RETRY_DELAY = 0.002  # s; a master that starts a moment late (ranks started together) is found at once
 MAX_RETRY_DELAY = 1.0  # s; and one that takes minutes costs a probe a second
 ATTEMPT_TIMEOUT = 5.0  # s; one SYN without an answer for this long counts as "no answer"
 
