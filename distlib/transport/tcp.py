@@ -177,7 +177,7 @@ class Mesh:
         self.waits: Dict[int, Tuple[Union[Slot, BlockedSend], float]] = {}
         self._last_beat = 0.0
         self._spin_misses = 0
-        self._spin_skip = 0
+        self._spin_quiet_until = 0.0  # no spinning before this perf_counter() time
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(self._wake_r, select.EPOLLIN)
@@ -481,23 +481,26 @@ class Mesh:
         Why: a blocked thread's vCPU halts on these VMs, and waking it costs ~100 µs — as much
         as a small collective. When the frame comes within the window (a peer on the same
         host answering at once) the wake-up is saved. When frames keep missing the window
-        (more ranks than cores, or a slow peer), spinning only takes CPU from the ranks that
-        would send, so the mesh backs off exponentially (up to 1024 waits without spinning).
+        (more ranks than cores, a slow peer, large transfers), spinning only takes CPU from
+        the ranks that would send, so after k misses in a row the mesh stops spinning for
+        SPIN_S x 2^k (k <= 10: about 80 ms). The back-off is in time, not in waits: at most
+        one spin per quiet period, and a phase of small collectives after large ones spins
+        again within 80 ms instead of after a thousand slow waits.
         """
         if SPIN_S <= 0:
             return False
-        if self._spin_skip:
-            self._spin_skip -= 1
+        clock = time.perf_counter
+        now = clock()
+        if now < self._spin_quiet_until:
             return False
         poll = conn.poller.poll
-        clock = time.perf_counter
-        until = clock() + SPIN_S
+        until = now + SPIN_S
         while clock() < until:
             if poll(0):
                 self._spin_misses = 0
                 return True
         self._spin_misses = min(self._spin_misses + 1, 10)
-        self._spin_skip = 1 << self._spin_misses
+        self._spin_quiet_until = clock() + SPIN_S * (1 << self._spin_misses)
         return False
 
     def _give_up(self, slot: Slot, deadline: Deadline) -> None:
