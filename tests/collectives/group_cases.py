@@ -120,10 +120,10 @@ def killed_during_all_reduce(rank, ws, port, victim):
         return str(exc), time.monotonic() - start
 
 
-def sender_blocked_on_a_stopped_rank(rank, ws, path):
-    """Rank 2 is stopped (SIGSTOP: not even its progress thread reads), rank 1 sends it
-    64 MiB and blocks in the send, rank 0 waits for a message from rank 1. Rank 0's timeout
-    must say that rank 1 is alive and blocked sending to rank 2, not that rank 1 is silent."""
+def _with_rank_2_stopped(rank, ws, path, before_stop, action):
+    """Init (TCP only, 7 s timeout); rank 2 runs ``before_stop()`` and stops itself (SIGSTOP:
+    not even its progress thread runs); ranks 0 and 1 run ``action()`` and return (its error
+    text, or "no error"; seconds). Rank 0 kills rank 2 at the end."""
     import signal
 
     import distlib as dist
@@ -136,58 +136,56 @@ def sender_blocked_on_a_stopped_rank(rank, ws, path):
     dist.barrier()
     start = time.monotonic()
     if rank == 2:
+        before_stop()
         os.kill(os.getpid(), signal.SIGSTOP)
         return "resumed", 0.0
     try:
+        action()
+        return "no error", time.monotonic() - start
+    except dist.DistBackendError as exc:
+        return str(exc), time.monotonic() - start
+    finally:
+        if rank == 0:
+            os.kill(int(store.get("pid2")), signal.SIGKILL)
+
+
+def sender_blocked_on_a_stopped_rank(rank, ws, path):
+    """Rank 2 is stopped, rank 1 sends it 64 MiB and blocks in the send, rank 0 waits for a
+    message from rank 1. Rank 0's timeout must say that rank 1 is alive and blocked sending
+    to rank 2, not that rank 1 is silent."""
+    import distlib as dist
+
+    def action():
         if rank == 1:
             time.sleep(0.5)  # rank 2 is stopped by now
             dist.send(np.ones(16 << 20, np.float32), dst=2)
         else:
             dist.recv(np.empty(1, np.float32), src=1)
-        return "no error", time.monotonic() - start
-    except dist.DistBackendError as exc:
-        return str(exc), time.monotonic() - start
-    finally:
-        if rank == 0:
-            os.kill(int(store.get("pid2")), signal.SIGKILL)
+
+    return _with_rank_2_stopped(rank, ws, path, lambda: None, action)
 
 
 def progress_thread_stuck_mid_frame(rank, ws, path):
-    """Rank 2 sends rank 1 the first bytes of a 1 MiB frame and stops (SIGSTOP), the way a
-    rank cut off the network stops mid-frame: rank 1's progress thread is stuck reading the
-    rest. Ranks 0 and 1 wait for a message from each other (rank 1 starting a second later,
-    so rank 0's wait expires first). Rank 0's timeout must say that rank 1 is alive, not
-    that it is silent."""
-    import signal
-
+    """Rank 2 sends rank 1 the first bytes of a 1 MiB frame and stops, the way a rank cut off
+    the network stops mid-frame: rank 1's progress thread is stuck reading the rest. Ranks 0
+    and 1 wait for a message from each other (rank 1 starting a second later, so rank 0's
+    wait expires first). Rank 0's timeout must say that rank 1 is alive, not silent."""
     import distlib as dist
     from distlib.distributed import get_default_group
     from distlib.transport import frames
 
-    os.environ["DISTLIB_SHM"] = "0"
-    store = dist.FileStore(path + ".pids", ws)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=ws,
-                            timeout=timedelta(seconds=7))
-    store.set(f"pid{rank}", str(os.getpid()))
-    dist.barrier()
-    start = time.monotonic()
-    if rank == 2:
+    def send_part_of_a_frame():
         time.sleep(0.5)
         mesh = next(iter(get_default_group().backends.values())).meshes[0]
         header = frames.pack(frames.P2P, frames.OPS["send"], 0, 0, 99, 0, 1 << 18, 1 << 20)
         mesh.conns[1].sock.sendall(header + bytes(100))
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return "resumed", 0.0
-    if rank == 1:
-        time.sleep(1.0)
-    try:
+
+    def action():
+        if rank == 1:
+            time.sleep(1.0)
         dist.recv(np.empty(1, np.float32), src=1 - rank)
-        return "no error", time.monotonic() - start
-    except dist.DistBackendError as exc:
-        return str(exc), time.monotonic() - start
-    finally:
-        if rank == 0:
-            os.kill(int(store.get("pid2")), signal.SIGKILL)
+
+    return _with_rank_2_stopped(rank, ws, path, send_part_of_a_frame, action)
 
 
 def port_range_init(rank, ws, path, low, high):
