@@ -39,21 +39,36 @@ def _key(rank: int) -> str:
 
 def publish_and_gather(store, rank: int, size: int, record: Dict[str, object], deadline: Deadline,
                        label: str) -> List[Dict[str, object]]:
-    """Publish ``record`` for ``rank``; return every rank's record, in rank order."""
-    store.set(_key(rank), json.dumps(record))
-    keys = [_key(r) for r in range(size)]
+    """Publish ``record`` for ``rank``; return every rank's record, in rank order.
+
+    A store that goes away at any point of this (while waiting, while reading who joined
+    for the timeout error, while fetching the records) is reported as a lost store: when
+    rank 0 hosts it and gives up first, the other ranks' wait and their timeout error race
+    its exit, and either way the useful answer is rank 0's error.
+    """
+    try:
+        store.set(_key(rank), json.dumps(record))
+        keys = [_key(r) for r in range(size)]
+        _wait_for_everyone(store, rank, size, keys, deadline, label)
+        return [json.loads(v) for v in store.multi_get(keys)]
+    except DistNetworkError as exc:
+        raise DistStoreError(
+            f"{label}: lost the store ({store.describe()}) {format_duration(deadline.elapsed())} into waiting "
+            f"for every rank to join. If a master service runs it (distlib store-server), the service "
+            f"stopped; if rank 0 hosts it, rank 0 gave up after its timeout or died, and its error names "
+            f"the ranks that never arrived. Store error: {exc}") from None
+
+
+def _wait_for_everyone(store, rank: int, size: int, keys: List[str], deadline: Deadline, label: str) -> None:
+    """Wait until every rank's key exists, logging who is missing every PROGRESS_INTERVAL."""
     next_log = PROGRESS_INTERVAL
     while True:
         left = deadline.remaining()
         try:
             store.wait(keys, max(0.001, min(left, next_log - deadline.elapsed())))
-            break
-        except DistNetworkError as exc:
-            raise DistStoreError(
-                f"{label}: lost the store ({store.describe()}) {format_duration(deadline.elapsed())} into waiting "
-                f"for every rank to join. If a master service runs it (distlib store-server), the service "
-                f"stopped; if rank 0 hosts it, rank 0 gave up after its timeout or died, and its error names "
-                f"the ranks that never arrived. Store error: {exc}") from None
+            return
+        except DistNetworkError:
+            raise
         except DistStoreError:
             if deadline.expired():
                 raise _timeout_error(store, rank, size, deadline, label) from None
@@ -64,7 +79,6 @@ def publish_and_gather(store, rank: int, size: int, record: Dict[str, object], d
                             label, len(present), size, format_duration(deadline.elapsed()),
                             _ranks_text(missing), format_duration(deadline.seconds))
                 next_log = deadline.elapsed() + PROGRESS_INTERVAL
-    return [json.loads(v) for v in store.multi_get(keys)]
 
 
 def _ranks_text(ranks: List[int], limit: int = 16) -> str:
