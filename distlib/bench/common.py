@@ -98,20 +98,8 @@ class Child:
         or if it finished instead (its result is kept for ``result``)."""
         if self._finished:
             raise BenchError(f"{self.name} (pid {self.pid}) has already finished")
-        if not self._conn.poll(timeout):
-            raise BenchError(f"{self.name} (pid {self.pid}) sent nothing within {timeout:.0f} s"
-                             + ("" if self.proc.is_alive() else f"; it exited with {self.proc.exitcode}"))
-        try:
-            kind, *rest = self._conn.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise BenchError(f"{self.name} (pid {self.pid}) exited with {self.proc.exitcode} without a word") from None
-        if kind == "error":
-            self._finished = True
-            raise ChildError(f"{self.name} (pid {self.pid}) failed:\n{rest[0]}")
+        kind, rest = self._next(timeout, f"sent nothing within {timeout:.0f} s", "without a word")
         if kind == "done":
-            self._finished = True
-            self._result = rest[0]
             raise BenchError(f"{self.name} (pid {self.pid}) finished while a message was expected")
         return rest[0] if len(rest) == 1 else tuple(rest)
 
@@ -120,22 +108,29 @@ class Child:
         skipped."""
         deadline = time.monotonic() + timeout
         while not self._finished:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._conn.poll(left):
-                raise BenchError(f"{self.name} (pid {self.pid}) did not finish within {timeout:.0f} s")
-            try:
-                kind, *rest = self._conn.recv()
-            except EOFError:
-                self.proc.join(5)
-                raise BenchError(f"{self.name} (pid {self.pid}) exited with {self.proc.exitcode} without a result") from None
-            if kind == "error":
-                self._finished = True
-                raise ChildError(f"{self.name} (pid {self.pid}) failed:\n{rest[0]}")
-            if kind == "done":
-                self._finished = True
-                self._result = rest[0]
+            self._next(deadline - time.monotonic(), f"did not finish within {timeout:.0f} s", "without a result")
         self.proc.join(timeout=max(1.0, deadline - time.monotonic()))
         return self._result
+
+    def _next(self, timeout: float, late: str, silent: str) -> Tuple[str, list]:
+        """One message from the child, as (kind, rest). A failure is raised (ChildError); a
+        result ("done") is kept and ends the child. ``late`` and ``silent`` finish the
+        errors for a timeout and for an exit without a message."""
+        if timeout <= 0 or not self._conn.poll(timeout):
+            raise BenchError(f"{self.name} (pid {self.pid}) {late}"
+                             + ("" if self.proc.is_alive() else f"; it exited with {self.proc.exitcode}"))
+        try:
+            kind, *rest = self._conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise BenchError(f"{self.name} (pid {self.pid}) exited with {self.proc.exitcode} {silent}") from None
+        if kind == "error":
+            self._finished = True
+            raise ChildError(f"{self.name} (pid {self.pid}) failed:\n{rest[0]}")
+        if kind == "done":
+            self._finished = True
+            self._result = rest[0]
+        return kind, rest
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask politely (a "stop" message), then terminate, then kill."""
