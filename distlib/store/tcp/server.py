@@ -82,6 +82,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 from ...errors import DistNetworkError
 from ..base import parse_counter, wrap_int64
 from . import protocol
+from .connect import lookup_name
 from .protocol import (
     I64,
     MAGIC,
@@ -182,7 +183,7 @@ def bind_listener(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> socket
     attempts = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")] if wildcard else []
     if not wildcard:
         try:
-            infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+            infos = socket.getaddrinfo(lookup_name(host), port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
             attempts = [(info[0], info[4][0]) for info in infos]
         except socket.gaierror as exc:
             raise DistNetworkError(f"The server socket cannot bind: host {host!r} does not resolve ({exc})") from exc
