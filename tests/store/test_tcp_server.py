@@ -184,6 +184,52 @@ def test_waiter_that_disconnects_is_forgotten(server):
     assert b"/gone" not in server.waiters
 
 
+def test_a_wide_wake_up_sent_by_two_threads_reaches_every_waiter_once(caplog):
+    """More waiters than ``parallel_flush_min``: the flush helper sends half of the
+    wake-ups. Every waiter gets exactly its replies, in order (STOP_WAITING, then what it
+    queued behind the wait); one that vanished meanwhile is closed; the server goes on."""
+    import threading
+
+    srv = StoreServer("127.0.0.1", 0)
+    srv.parallel_flush_min = 8
+    srv.start()
+    try:
+        socks = [raw(srv) for _ in range(200)]
+        assert any(t.name == "distlib-store-flush" for t in threading.enumerate())
+        for i, sock in enumerate(socks):
+            request = proto.keys_request(proto.Op.WAIT, [b"/go"])
+            if i % 2:  # half queue requests behind the wait: several replies for one connection
+                request += proto.get(b"/go") + proto.add(b"/n", 1)
+            sock.sendall(request)
+        gone = socks.pop(7)
+        gone.close()
+        deadline = time.monotonic() + 5
+        while len(srv.waiters.get(b"/go", ())) < len(socks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store = TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5))
+        store.set("go", "x")
+        counts = []
+        for i, sock in enumerate(socks):
+            sock.settimeout(5)
+            assert recv_exact(sock, 1) == b"\x00"
+            if (i if i < 7 else i + 1) % 2:
+                assert recv_exact(sock, 8 + 1) == proto.blob(b"x")
+                counts.append(struct.unpack("<q", recv_exact(sock, 8))[0])
+        assert sorted(counts) == list(range(1, len(counts) + 1))
+        time.sleep(0.1)
+        for sock in socks:
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)  # nothing more, nothing twice
+        assert store.add("n", 0) == len(counts)
+        store.close()
+        for sock in socks:
+            sock.close()
+    finally:
+        srv.stop()
+    assert not any(t.name == "distlib-store-flush" for t in threading.enumerate())
+
+
 # -- the service ------------------------------------------------------------------------------
 
 
