@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..store.tcp.server import raise_fd_limit
 from . import common
 from .common import _CTX, BenchError, Child, Printer, Row, Table, Target, fmt_num, fmt_seconds, fmt_speedup, sleep_until
 
@@ -588,7 +589,7 @@ class CollectivesBench:
                     self.failures.append(f"init at {ws} ranks, {impl}: {exc}")
 
     def _init_once(self, impl: str, ws: int) -> float:
-        common.raise_nofile(4 * ws + 256)
+        raise_fd_limit()
         port = free_port()
         go = _CTX.Event()
         start_at = _CTX.Value("d", 0.0, lock=False)
@@ -896,7 +897,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with_torch = not args.no_torch and _torch_importable()
     impls = [DISTLIB, TORCH] if with_torch else [DISTLIB]
     torch_version = sys.modules["torch"].__version__ if with_torch else None
-    common.raise_nofile()
+    raise_fd_limit()
 
     bench = CollectivesBench(args, impls, say)
     started = time.monotonic()

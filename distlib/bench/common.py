@@ -26,7 +26,6 @@ import math
 import multiprocessing
 import os
 import platform
-import resource
 import sys
 import time
 import traceback
@@ -162,21 +161,6 @@ def run_child(target: Callable, *args: Any, timeout: float, name: Optional[str] 
         return child.result(timeout)
     finally:
         child.stop()
-
-
-def raise_nofile(wanted: int = 1 << 20) -> int:
-    """Raise this process's RLIMIT_NOFILE soft limit towards ``wanted`` (up to the hard
-    limit); return the new soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    cap = hard if hard != resource.RLIM_INFINITY else max(wanted, soft)
-    new = min(max(soft, wanted), cap)
-    if new > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-            soft = new
-        except (ValueError, OSError):
-            pass
-    return soft
 
 
 # -- timing --------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..store.tcp.server import raise_fd_limit
 from . import common
 from .common import (
     _CTX,
@@ -64,7 +65,6 @@ from .common import (
     fmt_value,
     histogram,
     median,
-    raise_nofile,
     run_child,
     sleep_until,
     timed_loop,
@@ -129,7 +129,7 @@ def _wait_for_stop(conn) -> None:
 
 def _server_child(conn, impl: str, use_libuv: bool) -> None:
     """A TCPStore server alone in this process; sends ("port", p), serves until "stop"."""
-    raise_nofile()
+    raise_fd_limit()
     if impl == TORCH:
         import torch.distributed as tdist
 
@@ -220,16 +220,6 @@ def _concurrent_child(conn, impl: str, host: str, port: int, use_libuv: bool, in
 # -- the barrier load generator: W ranks as raw protocol connections ------------------------------
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise BenchError(f"server closed a connection after {len(data)} of {n} bytes")
-        data += chunk
-    return data
-
-
 def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: int) -> Dict[str, Any]:
     """Drive ``ranks`` (a slice of the W simulated ranks) through barrier rounds.
 
@@ -243,7 +233,7 @@ def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: 
     """
     from ..store.tcp import protocol as proto
 
-    raise_nofile(len(ranks) + 256)
+    raise_fd_limit()
     socks: List[socket.socket] = []
     for rank in ranks:
         sock = socket.create_connection((host, port), timeout=60)
@@ -362,7 +352,7 @@ class _BarrierRanks:
 
 def _storm_child(conn, impl: str, host: str, port: int, use_libuv: bool, clients: int,
                  timeout: float) -> Dict[str, Any]:
-    raise_nofile(clients + 256)
+    raise_fd_limit()
     make = _tcp_client
     if impl == TORCH:
         import torch.distributed  # noqa: F401 - imported before the clock starts
@@ -758,7 +748,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     env = common.environment({"torch_backend": args.torch_backend if with_torch else None,
                               "distlib_transport": args.distlib_transport,
                               "client_transports": bench.transports})
-    cpus = env.get("cpu_affinity")
     header = [
         f"distlib bench store: distlib {env['distlib']}"
         + (f" vs torch {torch_version} ({args.torch_backend} server)" if with_torch else

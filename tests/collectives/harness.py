@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
+from tests.fixtures.ports import free_port
 
 CASE_TIMEOUT = 120.0
 
@@ -49,12 +49,6 @@ def _worker(rank: int, world_size: int, init_method: str, conn, env: Dict[str, s
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class WorkerPool:

@@ -1,18 +1,12 @@
 """A rank dies mid-collective: the others raise DistBackendError naming it, well within the
 group timeout, and their processes exit (no hang, no thread keeping them alive)."""
 
-import socket
 
 import pytest
 
 from . import group_cases
 from .harness import spawn
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.fixtures.ports import free_port
 
 
 @pytest.mark.parametrize("victim", [0, 1, 2])

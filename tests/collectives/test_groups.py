@@ -2,7 +2,6 @@
 backend, and init_process_group's timeout naming the ranks that never came."""
 
 import os
-import socket
 
 import pytest
 
@@ -10,6 +9,7 @@ import distlib as dist
 
 from . import cases, group_cases
 from .harness import spawn
+from tests.fixtures.ports import free_port
 
 
 def ok(results):
@@ -55,12 +55,6 @@ def test_third_party_backend_plugin(tmp_path):
         assert values == [0.0, 3.0, 6.0, 9.0]
         assert backend == "storebackend" and attr == "storebackend"
         assert "does not implement broadcast" in unsupported
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_init_timeout_names_the_missing_rank():

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
 
 import pytest
+from tests.fixtures.ports import free_port
 
 #: Variables a cluster or an outer launcher may have set in the test runner's environment; the
 #: launcher would read them (that is its job), so the tests start from an environment without.
@@ -26,12 +26,6 @@ def clean_env(**extra: str) -> Dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launcher_cmd(*args: str) -> List[str]:

@@ -18,6 +18,7 @@ from distlib.rendezvous import register_rendezvous_handler, rendezvous
 from distlib.store.prefix import PrefixStore
 from distlib.store.tcp import TCPStore
 from distlib.store.tcp.server import StoreServer
+from tests.fixtures.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,12 +43,6 @@ def opened():
         while isinstance(inner, PrefixStore):
             inner = inner.underlying_store
         inner.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def first(url, *args, opened=None, **kwargs):

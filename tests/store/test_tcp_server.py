@@ -7,7 +7,6 @@ stalled or non-reading client never delays the others.
 from __future__ import annotations
 
 import logging
-import os
 import resource
 import signal
 import socket
@@ -21,6 +20,7 @@ import pytest
 
 from distlib.store.tcp import StoreServer, TCPStore
 from distlib.store.tcp import protocol as proto
+from tests.fixtures.ports import free_port
 
 HELLO = proto.validate() + proto.ping(1234)
 
@@ -231,14 +231,6 @@ def test_a_wide_wake_up_sent_by_two_threads_reaches_every_waiter_once(caplog):
 
 
 # -- the service ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -37,20 +36,13 @@ import torch.distributed as tdist  # noqa: E402
 from distlib import DistStoreError, QueueEmptyError  # noqa: E402
 from distlib.store import PrefixStore  # noqa: E402
 from distlib.store.tcp import TCPStore  # noqa: E402
+from tests.fixtures.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.interop
 
 TIMEOUT = timedelta(seconds=15)
 SPAWN = multiprocessing.get_context("spawn")
 JOIN_TIMEOUT = 180
-
-
-def free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 def start_store_server(tmp_path, port: int):

@@ -77,7 +77,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional
 
 from ...errors import DistNetworkError
 from ..base import parse_counter, wrap_int64
@@ -810,13 +810,10 @@ class StoreServer:
         helper = self._helper
         if helper is not None and len(dirty) >= self.parallel_flush_min:
             helper.start_sending(dirty)
-            leftover = _send_simple(dirty, 0)
-            leftover += helper.finish()
-            for conn in leftover:
-                if conn.out and not conn.closed:
-                    self._send(conn, ep)
-            return
-        for conn in _send_simple(dirty, -1):
+            leftover = _send_simple(dirty, 0) + helper.finish()
+        else:
+            leftover = _send_simple(dirty, -1)
+        for conn in leftover:
             if conn.out and not conn.closed:
                 self._send(conn, ep)
 
