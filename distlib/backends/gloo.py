@@ -28,13 +28,14 @@ from ..algorithms import reduce as reduce_algos
 from ..algorithms.context import OpContext, bview
 from ..algorithms.shm_allreduce import ShmAllReduce, mesh_barrier
 from ..arrays import dtype_code
+from ..cpus import usable_cpus
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError
 from ..reduce_op import ReduceOp, finish, prepare_input
 from ..transport import address as addr
 from ..transport import frames
 from ..transport.shm import SharedSegment, free_bytes
-from ..transport.tcp import ANY_SOURCE, Mesh
+from ..transport.tcp import ANY_SOURCE, Mesh, crowded_receive_buffer
 from .base import CommBackend, RecvHandle
 from .join import local_facts, publish_and_gather
 
@@ -100,13 +101,24 @@ class GlooBackend(CommBackend):
         if len(hosts) > 1:
             self._warn_loopback(records)
         mesh_id = int(records[0]["mesh_id"])
+        rcvbuf = self._receive_buffers(records, record["host_id"])
         for index, listener in enumerate(listeners):
             mesh = Mesh(self.rank, self.size, self.timeout_s, mesh_id + index,
                         f"{self.label}" + (f"[if{index}]" if len(listeners) > 1 else ""))
             mesh.listener = listener
             peers = [tuple(rec["addresses"][min(index, len(rec["addresses"]) - 1)]) for rec in records]
-            mesh.connect_all(peers, deadline)
+            mesh.connect_all(peers, deadline, rcvbuf)
             self.meshes.append(mesh)
+
+    @staticmethod
+    def _receive_buffers(records, host_id: str) -> List[int]:
+        """Per peer: SO_RCVBUF for a peer on this machine (same kernel) when the machine runs
+        more ranks than this process has CPUs; 0 (autotuning) otherwise (see
+        transport.tcp.crowded_receive_buffer)."""
+        kernel = host_id.split("/")[0]
+        here = [rec["host_id"].split("/")[0] == kernel for rec in records]
+        size = crowded_receive_buffer(sum(here), usable_cpus())
+        return [size if same else 0 for same in here]
 
     def _warn_loopback(self, records) -> None:
         for r, rec in enumerate(records):

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import os
 import re
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from ..cpus import usable_cpus
 from . import conventions as conv
 from .conventions import Candidate
 
@@ -147,14 +147,6 @@ class Probe:
     hostname: Callable[[], str]
 
 
-def _cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask; torchrun counts os.cpu_count())."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _gpu_count(environ: Mapping[str, str]) -> Tuple[int, str]:
     """NVIDIA GPUs visible to the workers, without initialising CUDA in the launcher.
 
@@ -176,7 +168,7 @@ def _gpu_count(environ: Mapping[str, str]) -> Tuple[int, str]:
 
 
 def default_probe() -> Probe:
-    return Probe(cpu_count=_cpu_count, gpu_count=_gpu_count, hostname=socket.gethostname)
+    return Probe(cpu_count=usable_cpus, gpu_count=_gpu_count, hostname=socket.gethostname)
 
 
 # -- parsing helpers ------------------------------------------------------------------------------

@@ -433,3 +433,21 @@ def pipelining_settings(rank, ws):
     from distlib.algorithms import context
 
     return context.PIPE_BYTES, context.SCRATCH_LIMIT
+
+
+def crowded_transport(rank, ws, n):
+    """SO_RCVBUF of each of this rank's connections, then an all_reduce of ``n`` float32
+    through them (checked against numpy), then a second one whose frames may arrive early."""
+    import socket as socketlib
+
+    from distlib.distributed import get_default_group
+
+    mesh = get_default_group().backends["cpu"].meshes[0]
+    buffers = [c.sock.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_RCVBUF) for c in mesh.conns if c is not None]
+    oks = []
+    for _ in range(2):
+        inputs = [make_input(r, "float32", n, "SUM") for r in range(ws)]
+        array = inputs[rank].copy()
+        dist.all_reduce(array)
+        oks.append(bool(close(array, reference("SUM", inputs))))
+    return buffers, oks

@@ -4,8 +4,8 @@ import socket
 
 from distlib.transport import address
 
-from . import group_cases
-from .harness import spawn
+from . import cases, group_cases
+from .harness import WorkerPool, spawn
 
 
 def test_port_range_confines_data_ports(tmp_path):
@@ -68,3 +68,64 @@ def test_loopback_address_in_a_multi_host_world_is_warned(caplog):
     [record] = caplog.records
     text = record.getMessage()
     assert "rank 1 advertises the loopback address 127.0.1.1" in text and "GLOO_SOCKET_IFNAME" in text
+
+
+def test_early_frame_buffers_are_reused_and_never_handed_out_twice():
+    from distlib.transport.early import MIN_KEPT_BYTES, EarlyBuffers
+
+    size = MIN_KEPT_BYTES
+    pool = EarlyBuffers(limit=2 * size)
+    a, b, c = pool.take(size), pool.take(size), pool.take(size)
+    assert len({id(a), id(b), id(c)}) == 3 and len(a) == size
+    for buf in (a, b, c):
+        pool.give(buf)
+    assert pool.kept == 2 * size  # the third is over the limit: dropped
+    again = {id(pool.take(size)), id(pool.take(size))}
+    assert again == {id(a), id(b)} and pool.kept == 0
+    assert id(pool.take(size)) not in again  # nothing left to reuse: a fresh one
+    small = pool.take(1024)
+    pool.give(small)
+    assert pool.kept == 0  # small frames are not kept
+    pool.give(pool.take(size))
+    pool.clear()
+    assert pool.kept == 0
+
+
+def test_receive_buffer_is_fixed_only_for_crowded_peers_on_this_machine():
+    from distlib.backends.gloo import GlooBackend
+    from distlib.cpus import usable_cpus
+    from distlib.transport import tcp
+
+    assert tcp.crowded_receive_buffer(4, 2) == tcp.CROWDED_RCVBUF > 0
+    assert tcp.crowded_receive_buffer(2, 2) == 0 and tcp.crowded_receive_buffer(1, 1) == 0
+    # one rank per machine: nothing is crowded
+    spread = [{"host_id": f"boot{i}/ns/shm"} for i in range(3)]
+    assert GlooBackend._receive_buffers(spread, "boot0/ns/shm") == [0, 0, 0]
+    # more ranks on this kernel (containers included: other namespaces) than CPUs; one elsewhere
+    here = [{"host_id": f"boot1/ns{i}/shm{i}"} for i in range(usable_cpus() + 1)]
+    crowded = here + [{"host_id": "boot2/ns0/shm0"}]
+    assert GlooBackend._receive_buffers(crowded, "boot1/ns0/shm0") == [tcp.CROWDED_RCVBUF] * len(here) + [0]
+
+
+def test_ranks_crowded_onto_one_cpu_fix_their_receive_buffers_and_still_reduce_correctly():
+    """Two ranks pinned to one CPU: each connection's SO_RCVBUF is the fixed one (the kernel
+    reports twice what was set, capped by net.core.rmem_max), and all_reduces of 3 MiB
+    (larger than the buffer's share, so sends block until the peer reads) are right."""
+    import os
+
+    from distlib.transport import tcp
+
+    with open("/proc/sys/net/core/rmem_max") as f:
+        rmem_max = int(f.read())
+    expected = 2 * min(tcp.CROWDED_RCVBUF, rmem_max)
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(saved)})  # the spawned ranks inherit it
+    try:
+        pool = WorkerPool(2, env={"DISTLIB_SHM": "0"})
+    finally:
+        os.sched_setaffinity(0, saved)
+    try:
+        for buffers, oks in pool.run(cases.crowded_transport, 3 << 18):
+            assert buffers == [expected] and oks == [True, True], (buffers, oks)
+    finally:
+        pool.close()

@@ -79,6 +79,7 @@ import threading
 import time
 from typing import Deque, Dict, List, Optional
 
+from ...cpus import usable_cpus
 from ...errors import DistNetworkError
 from ..base import parse_counter, wrap_int64
 from . import protocol
@@ -280,13 +281,6 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def spin_seconds(env_name: str, default_us: float) -> float:
     """The busy-poll window from ``env_name`` (microseconds), else ``default_us``.
 
@@ -297,7 +291,7 @@ def spin_seconds(env_name: str, default_us: float) -> float:
     text = os.environ.get(env_name, "").strip()
     if text:
         return max(0.0, float(text)) / 1e6
-    return default_us / 1e6 if _usable_cpus() > 1 else 0.0
+    return default_us / 1e6 if usable_cpus() > 1 else 0.0
 
 
 class BusyPoll:
@@ -316,7 +310,7 @@ class BusyPoll:
 
     def __init__(self, env_name: str, default_us: float):
         self.window = spin_seconds(env_name, default_us)
-        self.cpus = _usable_cpus()
+        self.cpus = usable_cpus()
         self._next_check = 0.0
         self._crowded = False
 
@@ -360,7 +354,7 @@ def parallel_flush_min() -> int:
     """DISTLIB_STORE_PARALLEL_FLUSH, else the default; 0 (no helper) on a single CPU."""
     text = os.environ.get("DISTLIB_STORE_PARALLEL_FLUSH", "").strip()
     value = int(text) if text else DEFAULT_PARALLEL_FLUSH_MIN
-    return value if _usable_cpus() > 1 else 0
+    return value if usable_cpus() > 1 else 0
 
 
 def _send_simple(dirty: List["Connection"], parity: int) -> List["Connection"]:
