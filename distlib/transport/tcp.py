@@ -223,7 +223,6 @@ class Mesh:
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._progress: Optional[threading.Thread] = None
-        self._rcvbuf: List[int] = []
 
     # -- establishing ----------------------------------------------------------------------------
 
@@ -231,14 +230,13 @@ class Mesh:
                     rcvbuf: Sequence[int] = ()) -> None:
         """Connect to every lower rank, accept every higher one, start the progress thread.
         ``rcvbuf[peer]``, where given and > 0, fixes that connection's SO_RCVBUF."""
-        self._rcvbuf = list(rcvbuf)
         hello = frames.pack(HELLO, 0, 0, 0, 0, 0, 0, frames.HELLO_PAYLOAD.size) + \
             frames.HELLO_PAYLOAD.pack(self.rank, self.mesh_id)
         for peer in range(self.rank):
             host, port = addresses[peer]
             sock = self._connect(peer, host, port, deadline)
             sock.sendall(hello)
-            self._add(peer, sock, endpoint(host, port))
+            self._add(peer, sock, endpoint(host, port), rcvbuf[peer] if peer < len(rcvbuf) else 0)
         expected = set(range(self.rank + 1, self.size))
         while expected:
             sock, peer_addr = self._accept(expected, deadline)
@@ -247,7 +245,8 @@ class Mesh:
                 sock.close()
                 continue
             expected.discard(peer)
-            self._add(peer, sock, endpoint(addresses[peer][0], addresses[peer][1]))
+            self._add(peer, sock, endpoint(addresses[peer][0], addresses[peer][1]),
+                      rcvbuf[peer] if peer < len(rcvbuf) else 0)
         self._progress = threading.Thread(target=self._progress_loop, name=f"distlib-progress-{self.label}",
                                           daemon=True)
         self._progress.start()
@@ -314,13 +313,13 @@ class Mesh:
             return None
         return peer
 
-    def _add(self, peer: int, sock: socket.socket, address: str) -> None:
+    def _add(self, peer: int, sock: socket.socket, address: str, rcvbuf: int = 0) -> None:
         # Blocking sockets with kernel timeouts: one recv_into(MSG_WAITALL) reads a whole
         # payload and one sendmsg sends a whole frame (no poll-and-retry per chunk), while
         # every call still returns within SLICE to check the deadline and the mesh state.
         sock.setblocking(True)
-        if peer < len(self._rcvbuf) and self._rcvbuf[peer] > 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._rcvbuf[peer])
+        if rcvbuf > 0:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         timeval = struct.pack("ll", int(SLICE), int((SLICE % 1) * 1e6))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
