@@ -1,5 +1,5 @@
-"""How many CPUs this process may run on: what busy-polling, the store server's flush helper,
-the launcher's worker count and the mesh's socket buffers are sized by."""
+"""How many CPUs this process may run on: what busy-polling, the launcher's worker count and
+the mesh's socket buffers are sized by."""
 
 from __future__ import annotations
 

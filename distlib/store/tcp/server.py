@@ -77,7 +77,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Sequence
 
 from ...cpus import usable_cpus
 from ...errors import DistNetworkError
@@ -139,27 +139,31 @@ MAX_READS_PER_EVENT = 16
 
 
 class Connection:
-    """Server-side state of one client connection."""
+    """Server-side state of one client connection.
+
+    Kept small, because the loop touches it once per request: the queues that most
+    connections never need (``pending``, ``held``, ``inbuf``) are None until they do.
+    """
 
     __slots__ = (
-        "sock", "fd", "peer", "inbuf", "need", "out", "pending", "pending_len", "validated",
-        "wait_count", "wait_keys", "barrier_key", "held", "closed", "is_worker",
+        "sock", "fd", "peer", "inbuf", "need", "out", "pending", "pending_len",
+        "validated", "wait_count", "wait_keys", "barrier_key", "held", "closed", "is_worker",
     )
 
     def __init__(self, sock: socket.socket, peer: str):
         self.sock = sock
         self.fd = sock.fileno()
         self.peer = peer
-        self.inbuf = bytearray()  # the start of a request that has not fully arrived
+        self.inbuf: Optional[bytearray] = None  # the start of a request that has not fully arrived
         self.need = 0  # parse again once inbuf holds this many bytes
         self.out: List[bytes] = []  # replies produced this loop turn
-        self.pending: Deque[bytes] = collections.deque()  # replies the kernel did not take yet
+        self.pending: Optional[Deque[bytes]] = None  # replies the kernel did not take yet
         self.pending_len = 0
         self.validated = False
         self.wait_count = 0  # > 0 while a WAIT or BARRIER is pending
-        self.wait_keys: List[bytes] = []
+        self.wait_keys: Sequence[bytes] = ()
         self.barrier_key: Optional[bytes] = None
-        self.held: Deque[bytes] = collections.deque()  # raw requests queued behind a wait
+        self.held: Optional[Deque[bytes]] = None  # raw requests queued behind a wait
         self.closed = False
         self.is_worker = False  # sent ADD "init/"
 
@@ -345,85 +349,6 @@ _u32_from = U32.unpack_from
 _CANCEL_WAIT = int(Op.CANCEL_WAIT)
 
 
-#: A flush of this many connections or more is shared with the flush helper thread
-#: (DISTLIB_STORE_PARALLEL_FLUSH; 0 turns the helper off).
-DEFAULT_PARALLEL_FLUSH_MIN = 128
-
-
-def parallel_flush_min() -> int:
-    """DISTLIB_STORE_PARALLEL_FLUSH, else the default; 0 (no helper) on a single CPU."""
-    text = os.environ.get("DISTLIB_STORE_PARALLEL_FLUSH", "").strip()
-    value = int(text) if text else DEFAULT_PARALLEL_FLUSH_MIN
-    return value if usable_cpus() > 1 else 0
-
-
-def _send_simple(dirty: List["Connection"], parity: int) -> List["Connection"]:
-    """Send the one reply of each connection in ``dirty`` (those whose fd has this parity;
-    -1: all) that has one reply and nothing pending; return the connections left for the
-    general path (_send): several replies, a partial send, a full buffer, an error."""
-    leftover = []
-    for conn in dirty:
-        if parity >= 0 and conn.fd & 1 != parity:
-            continue
-        out = conn.out
-        if not out or conn.closed:
-            continue  # listed twice this turn, or gone
-        if len(out) == 1 and not conn.pending:
-            reply = out[0]
-            try:
-                sent = conn.sock.send(reply)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                leftover.append(conn)  # _send meets the error again and closes the connection
-                continue
-            if sent == len(reply):
-                out.clear()
-                continue
-            if sent:
-                out[0] = memoryview(reply)[sent:]
-        leftover.append(conn)
-    return leftover
-
-
-class _FlushHelper:
-    """The second thread of a big flush: sends the replies of odd file descriptors."""
-
-    def __init__(self):
-        self._work: Optional[List[Connection]] = None
-        self._leftover: List[Connection] = []
-        self._go = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._thread = threading.Thread(target=self._run, name="distlib-store-flush", daemon=True)
-        self._thread.start()
-
-    def start_sending(self, dirty: List[Connection]) -> None:
-        self._work = dirty
-        self._go.release()
-
-    def finish(self) -> List[Connection]:
-        self._done.acquire()
-        leftover, self._leftover = self._leftover, []
-        return leftover
-
-    def stop(self) -> None:
-        self._work = None
-        self._go.release()
-        self._thread.join(5.0)
-
-    def _run(self) -> None:
-        while True:
-            self._go.acquire()
-            work = self._work
-            if work is None:
-                return
-            try:
-                self._leftover = _send_simple(work, 1)
-            except BaseException:  # noqa: BLE001 - the main thread sends what is left
-                self._leftover = [c for c in work if c.fd & 1]
-            self._done.release()
-
-
 class StoreServer:
     """The TCPStore server. ``serve_forever()`` in a thread or the main thread; ``stop()``."""
 
@@ -455,8 +380,7 @@ class StoreServer:
         self._dirty: List[Connection] = []  # connections with replies to send this turn
         self._resume: List[Connection] = []
         self._unread: List[Connection] = []
-        self.parallel_flush_min = parallel_flush_min()
-        self._helper: Optional[_FlushHelper] = None  # started by serve_forever
+        self._listeners: Dict[int, socket.socket] = {}  # fd -> listening socket (serve_forever)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -518,67 +442,26 @@ class StoreServer:
 
     def serve_forever(self) -> None:
         raise_fd_limit()
-        if self.parallel_flush_min > 0:
-            self._helper = _FlushHelper()
         ep = select.epoll()
-        listen_fd = self.listener.fileno()
-        wake_fd = self._wake_r
-        ep.register(listen_fd, EPOLLIN)
-        ep.register(wake_fd, EPOLLIN)
-        local_fd = -1
+        self._listeners = {self.listener.fileno(): self.listener}
         if self.local_listener is not None:
-            local_fd = self.local_listener.fileno()
-            ep.register(local_fd, EPOLLIN)
-        conns = self.conns
+            self._listeners[self.local_listener.fileno()] = self.local_listener
+        for fd in self._listeners:
+            ep.register(fd, EPOLLIN)
+        ep.register(self._wake_r, EPOLLIN)
         poll = ep.poll
-        on_readable = self._on_readable
-        read_once = self._read_once
+        turn = self._turn
         try:
             while not self._stopping:
                 try:
                     events = poll(0)
-                    if not events and not self._resume and not self._unread:
+                    if not events and not self._unread:
                         events = self._poll_spinning(ep)
                 except InterruptedError:
                     continue
-                for fd, ev in events:
-                    conn = conns.get(fd)
-                    if conn is None:
-                        if fd == listen_fd:
-                            self._accept(ep, self.listener)
-                        elif fd == local_fd:
-                            self._accept(ep, self.local_listener, local=True)
-                        elif fd == wake_fd:
-                            try:
-                                os.read(wake_fd, 4096)
-                            except OSError:
-                                pass
-                        continue
-                    if ev & EPOLLOUT:
-                        self._flush_pending(conn, ep)
-                    if ev & EPOLLIN_ERRS and not conn.closed and read_once(conn, ep, ev):
-                        on_readable(conn, ep, ev)  # more than one read's worth (rare)
-                if self._unread:  # connections that had more to read than one turn allows
-                    unread, self._unread = self._unread, []
-                    for conn in unread:
-                        if not conn.closed:
-                            on_readable(conn, ep, EPOLLIN)
-                while self._resume:
-                    resume, self._resume = self._resume, []
-                    for conn in resume:
-                        if conn.closed:
-                            continue
-                        try:
-                            self._run_held(conn)
-                        except (_CloseConnection, ProtocolError) as exc:
-                            self._close(conn, ep, str(exc))
-                if self._dirty:
-                    self._flush(ep)
+                turn(events, ep)
         finally:
-            if self._helper is not None:
-                self._helper.stop()
-                self._helper = None
-            for conn in list(conns.values()):
+            for conn in list(self.conns.values()):
                 self._close(conn, ep, "server stopping", quiet=True)
             ep.close()
             self.listener.close()
@@ -589,6 +472,47 @@ class StoreServer:
             self._stopped.set()
             with self.counter_changed:
                 self.counter_changed.notify_all()
+
+    def _turn(self, events, ep) -> None:
+        """One loop turn: read and run what ``events`` report, then send every reply."""
+        conns = self.conns
+        read_once = self._read_once
+        for fd, ev in events:
+            conn = conns.get(fd)
+            if conn is None:
+                self._on_listener(fd, ep)
+                continue
+            if ev & EPOLLOUT:
+                self._flush_pending(conn, ep)
+            if ev & EPOLLIN_ERRS and not conn.closed and read_once(conn, ep, ev):
+                self._on_readable(conn, ep, ev)  # more than one read's worth (rare)
+        if self._unread:  # connections that had more to read than one turn allows
+            unread, self._unread = self._unread, []
+            for conn in unread:
+                if not conn.closed:
+                    self._on_readable(conn, ep, EPOLLIN)
+        while self._resume:
+            resume, self._resume = self._resume, []
+            for conn in resume:
+                if conn.closed:
+                    continue
+                try:
+                    self._run_held(conn)
+                except (_CloseConnection, ProtocolError) as exc:
+                    self._close(conn, ep, str(exc))
+        if self._dirty:
+            self._flush(ep)
+
+    def _on_listener(self, fd: int, ep) -> None:
+        """An event on a listening socket (accept) or on the wake-up pipe (drain it)."""
+        listener = self._listeners.get(fd)
+        if listener is not None:
+            self._accept(ep, listener, local=listener is self.local_listener)
+        elif fd == self._wake_r:
+            try:
+                os.read(fd, 4096)
+            except OSError:
+                pass
 
     def _poll_spinning(self, ep):
         """Wait for events: poll without sleeping for up to ``spin_s`` after the last activity,
@@ -638,6 +562,7 @@ class StoreServer:
         if conn.closed:
             return
         conn.closed = True
+        conn.out = []  # nothing more to send (_flush skips it)
         self._drop_waits(conn)
         self.conns.pop(conn.fd, None)
         try:
@@ -666,7 +591,7 @@ class StoreServer:
         socket may hold more (a full read, or a pending EOF)."""
         inbuf = conn.inbuf
         size = RECV_SIZE
-        if inbuf:
+        if inbuf is not None:
             missing = conn.need - len(inbuf)
             if missing > size:  # the rest of a large value: read it in big steps
                 size = min(missing, MAX_RECV_SIZE)
@@ -681,12 +606,12 @@ class StoreServer:
             self._close(conn, ep, "disconnected")
             return False
         more = len(data) == size or ev & EPOLLRDHUP
-        if inbuf:
+        if inbuf is not None:
             inbuf += data
             if len(inbuf) < conn.need:
                 return more
             data = bytes(inbuf)
-            conn.inbuf = bytearray()
+            conn.inbuf = None
         try:
             if conn.validated:  # _process's loop, inline (this runs once per request)
                 ops = self._ops
@@ -766,6 +691,8 @@ class StoreServer:
             r = protocol.request_end(buf, pos, end, self.limits)
             if r < 0:
                 return r
+            if conn.held is None:
+                conn.held = collections.deque()
             conn.held.append(buf[pos:r])
         if not conn.wait_count:
             self._run_held(conn)
@@ -779,6 +706,8 @@ class StoreServer:
         while held and not conn.wait_count:
             request = held.popleft()
             ops[request[0]](conn, request, 0, len(request))
+        if not held:
+            conn.held = None
         if conn.out:
             self._dirty.append(conn)
 
@@ -790,32 +719,30 @@ class StoreServer:
         it wakes, instead of being woken once per reply; measured on the 1024-rank barrier
         of ``distlib bench store``, this cut the server's CPU per round by about a quarter.
         A single client's request is the only event of its turn, so it waits for nothing.
-
-        A big burst (``parallel_flush_min`` connections or more, default 128: a barrier
-        releasing its ranks, a burst of arrivals) is sent by two threads, this one and the
-        flush helper, each taking the connections of one parity of file descriptor, so no
-        connection is touched by both. The kernel's work per send (loopback or NIC
-        delivery, waking the client) is most of a send's cost and runs without the GIL, so
-        two threads send a burst in little more than half the time: on the 4096-rank
-        barrier of ``distlib bench store`` (2 CPUs), releasing the ranks took 27 ms instead
-        of 39 ms. The connections are closed by this thread only, after both have finished.
         """
         dirty, self._dirty = self._dirty, []
-        helper = self._helper
-        if helper is not None and len(dirty) >= self.parallel_flush_min:
-            helper.start_sending(dirty)
-            leftover = _send_simple(dirty, 0) + helper.finish()
-        else:
-            leftover = _send_simple(dirty, -1)
-        for conn in leftover:
-            if conn.out and not conn.closed:
-                self._send(conn, ep)
+        for conn in dirty:
+            out = conn.out
+            if not out:
+                continue  # listed twice this turn, or closed
+            if len(out) == 1 and conn.pending is None:  # the usual case: one reply, sent whole
+                reply = out[0]
+                try:
+                    sent = conn.sock.send(reply)
+                except OSError:
+                    sent = 0  # _send tries again, and handles the full buffer or the error
+                if sent == len(reply):
+                    out.clear()
+                    continue
+                if sent:
+                    out[0] = memoryview(reply)[sent:]
+            self._send(conn, ep)
 
     def _send(self, conn: Connection, ep) -> None:
         out = conn.out
         data = out[0] if len(out) == 1 else b"".join(out)
         conn.out = []
-        if conn.pending:
+        if conn.pending is not None:
             conn.pending.append(data)
             conn.pending_len += len(data)
             if conn.pending_len > self.max_pending_output:
@@ -829,7 +756,7 @@ class StoreServer:
             self._close(conn, ep, "disconnected" if exc.errno in (errno.EPIPE, errno.ECONNRESET) else f"send failed ({exc.strerror})")
             return
         if sent < len(data):
-            conn.pending.append(memoryview(data)[sent:])
+            conn.pending = collections.deque([memoryview(data)[sent:]])
             conn.pending_len = len(data) - sent
             if conn.pending_len > self.max_pending_output:
                 self._close(conn, ep, f"client does not read its replies ({conn.pending_len} bytes unread)")
@@ -852,6 +779,7 @@ class StoreServer:
                 pending[0] = memoryview(head)[sent:]
                 return
             pending.popleft()
+        conn.pending = None
         ep.modify(conn.fd, CONN_EVENTS)
 
     # -- waiting ---------------------------------------------------------------------------------
@@ -864,12 +792,18 @@ class StoreServer:
         waiting = self.waiters.pop(key, None)
         if not waiting:
             return
+        dirty = self._dirty
         for conn in waiting:
-            if conn.closed or not conn.wait_count:
-                continue
-            conn.wait_count -= 1
-            if conn.wait_count == 0:
-                self._finish_wait(conn)
+            count = conn.wait_count
+            if count == 1 and not conn.closed:  # _finish_wait, inline: this loop may run 4096 times
+                conn.wait_count = 0
+                conn.wait_keys = ()
+                conn.out.append(_STOP)
+                dirty.append(conn)
+                if conn.held:
+                    self._resume.append(conn)
+            elif count > 1 and not conn.closed:
+                conn.wait_count = count - 1
 
     def _wake_one(self, key: bytes) -> None:
         """QUEUE_PUSH: complete the first wait that this push satisfies (torch's rule)."""
@@ -886,7 +820,7 @@ class StoreServer:
             self.waiters.pop(key, None)
 
     def _finish_wait(self, conn: Connection) -> None:
-        conn.wait_keys = []
+        conn.wait_keys = ()
         conn.barrier_key = None
         conn.out.append(_STOP)
         self._dirty.append(conn)
@@ -912,7 +846,7 @@ class StoreServer:
                     pass
                 if not lst:
                     del self.barrier_waiters[conn.barrier_key]
-        conn.wait_keys = []
+        conn.wait_keys = ()
         conn.barrier_key = None
         conn.wait_count = 0
 
@@ -1114,16 +1048,31 @@ class StoreServer:
         return p
 
     def _op_wait(self, conn: Connection, buf: bytes, pos: int, end: int) -> int:
+        q = pos + 17
+        if q <= end:  # the usual case, one key: decoded and run inline
+            count, n = _u64_u64_from(buf, pos + 1)
+            if count == 1 and n <= self.limits.max_key:
+                p = q + n
+                if p > end:
+                    return -p
+                key = buf[q:p]
+                if key in self.data or self.queues.get(key):
+                    conn.out.append(_STOP)
+                    return p
+                lst = self.waiters.get(key)
+                if lst is None:
+                    self.waiters[key] = [conn]
+                else:
+                    lst.append(conn)
+                conn.wait_keys = (key,)
+                conn.wait_count = 1
+                return p
         keys, p = self._keys(buf, pos + 1, end)
         if p < 0:
             return p
         data = self.data
         queues = self.queues
-        if len(keys) == 1:  # the usual case, without building a list
-            key = keys[0]
-            missing = [] if key in data or queues.get(key) else keys
-        else:
-            missing = [k for k in keys if k not in data and not queues.get(k)]
+        missing = [k for k in keys if k not in data and not queues.get(k)]
         if not missing:
             conn.out.append(_STOP)
             return p
