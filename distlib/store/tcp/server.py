@@ -792,18 +792,12 @@ class StoreServer:
         waiting = self.waiters.pop(key, None)
         if not waiting:
             return
-        dirty = self._dirty
         for conn in waiting:
-            count = conn.wait_count
-            if count == 1 and not conn.closed:  # _finish_wait, inline: this loop may run 4096 times
-                conn.wait_count = 0
-                conn.wait_keys = ()
-                conn.out.append(_STOP)
-                dirty.append(conn)
-                if conn.held:
-                    self._resume.append(conn)
-            elif count > 1 and not conn.closed:
-                conn.wait_count = count - 1
+            if conn.closed or not conn.wait_count:
+                continue
+            conn.wait_count -= 1
+            if conn.wait_count == 0:
+                self._finish_wait(conn)
 
     def _wake_one(self, key: bytes) -> None:
         """QUEUE_PUSH: complete the first wait that this push satisfies (torch's rule)."""
@@ -1048,31 +1042,16 @@ class StoreServer:
         return p
 
     def _op_wait(self, conn: Connection, buf: bytes, pos: int, end: int) -> int:
-        q = pos + 17
-        if q <= end:  # the usual case, one key: decoded and run inline
-            count, n = _u64_u64_from(buf, pos + 1)
-            if count == 1 and n <= self.limits.max_key:
-                p = q + n
-                if p > end:
-                    return -p
-                key = buf[q:p]
-                if key in self.data or self.queues.get(key):
-                    conn.out.append(_STOP)
-                    return p
-                lst = self.waiters.get(key)
-                if lst is None:
-                    self.waiters[key] = [conn]
-                else:
-                    lst.append(conn)
-                conn.wait_keys = (key,)
-                conn.wait_count = 1
-                return p
         keys, p = self._keys(buf, pos + 1, end)
         if p < 0:
             return p
         data = self.data
         queues = self.queues
-        missing = [k for k in keys if k not in data and not queues.get(k)]
+        if len(keys) == 1:  # the usual case, without building a list
+            key = keys[0]
+            missing = [] if key in data or queues.get(key) else keys
+        else:
+            missing = [k for k in keys if k not in data and not queues.get(k)]
         if not missing:
             conn.out.append(_STOP)
             return p
