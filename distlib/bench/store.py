@@ -13,7 +13,9 @@ Loads (every one against a server in its own process, clients in other processes
   TCP connections driven by a few load-generator processes that speak the wire protocol
   themselves (non-blocking sockets, epoll), so the same generator drives distlib's server
   and torch's: the bytes are the ones a torch or distlib client sends. Time from the first
-  rank's ADD to the last rank's WAIT reply; connections are made beforehand.
+  rank's ADD to the last rank's WAIT reply; connections are made beforehand. Each round
+  also splits into its arrival (first ADD to the SET of done) and its release (that SET to
+  the last rank through), printed under the table.
 * **connect storm** — N threads (default 256) construct a TCPStore client at the same
   instant (distlib clients against distlib's server, torch's against torch's); the time
   until the last one is connected, and the histogram of constructor times.
@@ -48,7 +50,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..store.tcp.server import raise_fd_limit
 from . import common
@@ -229,7 +231,9 @@ def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: 
     minutes to connect). Then, per ("round", r, start_at): at
     ``start_at`` every rank sends ``ADD /bench/barrier/<r>/arrive 1``; the rank whose reply
     is W sends ``SET /bench/barrier/<r>/done 1``; each rank then sends ``WAIT [done]`` and
-    is through when its ``00`` arrives. Reports (first ADD sent, last WAIT answered).
+    is through when its ``00`` arrives. Reports (first ADD sent, last WAIT answered, SET
+    sent or None if none of its ranks read W, first WAIT answered), so that a round splits
+    into its arrival (first ADD to SET) and its release (SET to the last rank through).
     """
     from ..store.tcp import protocol as proto
 
@@ -282,6 +286,7 @@ def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: 
         state = [0] * n
         bufs = [b""] * n
         remaining = n
+        t_set = t_first_wake = None
         sleep_until(start_at)
         t_first = time.perf_counter()
         for s in socks:
@@ -301,7 +306,11 @@ def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: 
                     value = i64(buf)[0]
                     buf = buf[8:]
                     state[i] = 1
-                    socks[i].send(last_req if value == world else wait_req)
+                    if value == world:
+                        t_set = time.perf_counter()
+                        socks[i].send(last_req)
+                    else:
+                        socks[i].send(wait_req)
                 if state[i] == 1 and buf:
                     if buf[0] != 0:
                         raise BenchError(f"WAIT answered {buf[0]}, not STOP_WAITING")
@@ -309,9 +318,11 @@ def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: 
                     state[i] = 2
                     remaining -= 1
                     t_last = time.perf_counter()
+                    if t_first_wake is None:
+                        t_first_wake = t_last
                 bufs[i] = buf
         rounds += 1
-        conn.send(("round", t_first, t_last))
+        conn.send(("round", t_first, t_last, t_set, t_first_wake))
     for s in socks:
         s.close()
     return {"rounds": rounds}
@@ -325,6 +336,9 @@ class _BarrierRanks:
         self.gens = [Child(_barrier_generator, host, port, list(range(g, world, procs)), world,
                            name=f"{tag}-barrier-generator-{g}") for g in range(procs)]
         self.rounds = 0
+        #: per iteration of the last run(): (arrival, release) in seconds; arrival is first
+        #: ADD sent to SET sent, release is SET sent to the last rank through
+        self.phases: List[Tuple[float, float]] = []
 
     def wait_ready(self, timeout: float) -> None:
         for g in self.gens:
@@ -333,13 +347,17 @@ class _BarrierRanks:
     def run(self, iterations: int) -> List[float]:
         """Times (s) of ``iterations`` barrier rounds, each on fresh keys."""
         times = []
+        self.phases = []
         for _ in range(iterations):
             start_at = time.perf_counter() + 0.05
             for g in self.gens:
                 g.send(("round", self.rounds, start_at))
             reports = [g.recv(180) for g in self.gens]
             self.rounds += 1
-            times.append(max(r[1] for r in reports) - min(r[0] for r in reports))
+            first, last = min(r[0] for r in reports), max(r[1] for r in reports)
+            times.append(last - first)
+            t_set = next(r[2] for r in reports if r[2] is not None)
+            self.phases.append((t_set - first, last - t_set))
         return times
 
     def stop(self) -> None:
@@ -508,7 +526,9 @@ class StoreBench:
             for rnd, impl in self._rounds():
                 self.say(f"  barrier of {world} ranks, round {rnd + 1}, {impl} ...")
                 times = ranks[impl].run(self.args.barrier_iterations)
-                row.add(impl, median(times), iterations=[round(t, 6) for t in times])
+                phases = ranks[impl].phases
+                row.add(impl, median(times), iterations=[round(t, 6) for t in times],
+                        arrival_s=median([a for a, _ in phases]), release_s=median([r for _, r in phases]))
         finally:
             for impl in ranks:
                 ranks[impl].stop()
@@ -602,6 +622,23 @@ class StoreBench:
                     cells.append(common.fmt_num(median(vals)) if vals else "-")
             table.add("  " + row.name, *cells)
         return table.render()
+
+    def barrier_lines(self) -> List[str]:
+        """Where a barrier round's time goes, per implementation: the medians over all
+        rounds of the arrival (first ADD sent to the last arriver's SET) and the release
+        (that SET to the last rank through)."""
+        lines = []
+        for row in self.rows:
+            if row.section != "barrier":
+                continue
+            for impl in self.impls:
+                details = [d for d in row.details.get(impl, []) if "arrival_s" in d]
+                if details:
+                    arrival = median([d["arrival_s"] for d in details])
+                    release = median([d["release_s"] for d in details])
+                    lines.append(f"  {row.name.split(':')[0]}, {impl}: arrival {fmt_seconds(arrival)}, "
+                                 f"release {fmt_seconds(release)}")
+        return lines
 
     def storm_lines(self) -> List[str]:
         lines = []
@@ -768,6 +805,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if lat:
         print(file=out)
         print(lat, file=out)
+    phases = bench.barrier_lines()
+    if phases:
+        print(file=out)
+        print("barrier rounds, median (arrival: first ADD to done set; release: done set to the last rank through):",
+              file=out)
+        print("\n".join(phases), file=out)
     storm = bench.storm_lines()
     if storm:
         print(file=out)

@@ -27,9 +27,9 @@ Design, and why:
   length field arrives), ADD on a non-numeric value, or a client that lets more than
   ``MAX_PENDING_OUTPUT`` bytes of replies pile up unread. This is also how torch's servers
   report errors: the protocol has no error reply.
-* **Replies**: everything one read produced goes out in one send right after it; replies
-  that a request caused on other connections (wake-ups) go out at the end of the loop
-  turn, one send per connection.
+* **Replies go out at the end of the loop turn**, one send per connection, the replies a
+  connection's own requests produced and the wake-ups other requests caused alike
+  (``_flush`` says why).
 * **Busy-poll after activity** (BusyPoll). When a burst of requests ends, the loop keeps
   polling without sleeping for ``DISTLIB_STORE_SPIN_US`` (200 us) before it blocks. On VMs
   whose idle vCPUs halt (these machines), blocking costs ~100 us per request in wake-up
