@@ -232,8 +232,8 @@ def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: 
     ``start_at`` every rank sends ``ADD /bench/barrier/<r>/arrive 1``; the rank whose reply
     is W sends ``SET /bench/barrier/<r>/done 1``; each rank then sends ``WAIT [done]`` and
     is through when its ``00`` arrives. Reports (first ADD sent, last WAIT answered, SET
-    sent or None if none of its ranks read W, first WAIT answered), so that a round splits
-    into its arrival (first ADD to SET) and its release (SET to the last rank through).
+    sent or None if none of its ranks read W), so that a round splits into its arrival
+    (first ADD to SET) and its release (SET to the last rank through).
     """
     from ..store.tcp import protocol as proto
 
@@ -286,7 +286,7 @@ def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: 
         state = [0] * n
         bufs = [b""] * n
         remaining = n
-        t_set = t_first_wake = None
+        t_set = None
         sleep_until(start_at)
         t_first = time.perf_counter()
         for s in socks:
@@ -318,11 +318,9 @@ def _barrier_generator(conn, host: str, port: int, ranks: Sequence[int], world: 
                     state[i] = 2
                     remaining -= 1
                     t_last = time.perf_counter()
-                    if t_first_wake is None:
-                        t_first_wake = t_last
                 bufs[i] = buf
         rounds += 1
-        conn.send(("round", t_first, t_last, t_set, t_first_wake))
+        conn.send(("round", t_first, t_last, t_set))
     for s in socks:
         s.close()
     return {"rounds": rounds}
