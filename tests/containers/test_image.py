@@ -7,7 +7,6 @@ The image under test is built once per session (or named by DISTLIB_TEST_IMAGE).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import json
 import os
@@ -185,8 +184,6 @@ def test_setuptools_is_not_shipped(box):
 
 def test_default_command(image, distlib_image):
     assert image.attrs["Config"]["Cmd"] == ["distlib", "--help"]
-    if importlib.util.find_spec("distlib.cli") is None:
-        pytest.skip("distlib.cli does not exist yet: the default command cannot run")
     ctr = labelled_container(distlib_image)
     ctr.start()
     try:
