@@ -310,3 +310,30 @@ def test_torch_client_sequence_is_served(service):
     sock.sendall(b"\x12" + proto.blob(b"/bar") + struct.pack("<q", 1))  # BARRIER, world 1
     assert recv_exact(sock, 1) == b"\x00"
     sock.close()
+
+
+def test_busy_poll_follows_the_runnable_count_of_each_moment(monkeypatch):
+    """Spinning stops on the very next decision once more tasks are runnable than this
+    process has CPUs, and resumes as soon as they are not: a stale "not crowded" would let
+    the server spin on a CPU that the ranks' processes are waiting for."""
+    from distlib.store.tcp import server as server_mod
+
+    monkeypatch.setenv("DISTLIB_STORE_SPIN_US", "200")
+    busy = server_mod.BusyPoll("DISTLIB_STORE_SPIN_US", 0.0)
+    busy.cpus = 2
+    runnable = iter([1, 2, 3, 5, 2, None])
+    monkeypatch.setattr(server_mod, "_runnable_tasks", lambda: next(runnable))
+    assert [busy.allowed() for _ in range(6)] == [True, True, False, False, True, True]
+
+
+def test_busy_poll_off_never_reads_the_load(monkeypatch):
+    from distlib.store.tcp import server as server_mod
+
+    monkeypatch.setenv("DISTLIB_STORE_SPIN_US", "0")
+    busy = server_mod.BusyPoll("DISTLIB_STORE_SPIN_US", 200.0)
+
+    def fail():
+        raise AssertionError("the load was read although spinning is off")
+
+    monkeypatch.setattr(server_mod, "_runnable_tasks", fail)
+    assert busy.allowed() is False
