@@ -26,6 +26,7 @@ import math
 import multiprocessing
 import os
 import platform
+import random
 import sys
 import time
 import traceback
@@ -245,6 +246,39 @@ def spread(values: Sequence[float]) -> float:
     if len(data) < 2:
         return 0.0
     return max(data) / min(data) - 1
+
+
+@dataclass
+class PairedRatio:
+    """The median of per-pair ratios and a 95% bootstrap interval around it."""
+
+    median: float
+    low: float
+    high: float
+    pairs: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"median": _json_num(self.median), "ci95": [_json_num(self.low), _json_num(self.high)],
+                "pairs": self.pairs}
+
+
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float], resamples: int = 2000,
+                 seed: int = 0) -> PairedRatio:
+    """Median of ``numerators[i] / denominators[i]`` with a 95% percentile-bootstrap interval.
+
+    For loads whose speed drifts by tens of percent within seconds on a shared VM: two
+    implementations measured back to back form a pair that saw the same machine, so the
+    ratio within each pair cancels the drift that separate medians keep. The fixed seed makes
+    a report reproducible from its own numbers.
+    """
+    ratios = [a / b for a, b in zip(numerators, denominators) if a > 0 and b > 0]
+    if not ratios:
+        nan = float("nan")
+        return PairedRatio(nan, nan, nan, 0)
+    rng = random.Random(seed)
+    n = len(ratios)
+    boots = sorted(median([ratios[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    return PairedRatio(median(ratios), quantile(boots, 0.025), quantile(boots, 0.975), n)
 
 
 def histogram(values: Iterable[float], edges: Sequence[Tuple[float, str]]) -> Dict[str, int]:

@@ -15,7 +15,9 @@ Loads (every one against a server in its own process, clients in other processes
   and torch's: the bytes are the ones a torch or distlib client sends. Time from the first
   rank's ADD to the last rank's WAIT reply; connections are made beforehand. Each round
   also splits into its arrival (first ADD to the SET of done) and its release (that SET to
-  the last rank through), printed under the table.
+  the last rank through), printed under the table. Within a round the implementations
+  alternate iteration by iteration, and the speed-up is also given over those pairs, with
+  a 95% bootstrap interval (StoreBench._barrier says why).
 * **connect storm** — N threads (default 256) construct a TCPStore client at the same
   instant (distlib clients against distlib's server, torch's against torch's); the time
   until the last one is connected, and the histogram of constructor times.
@@ -442,6 +444,8 @@ class StoreBench:
         self.storm_details: Dict[str, List[Dict[str, Any]]] = {}
         self.transports: Dict[str, str] = {}
         self.failures: List[str] = []
+        #: barrier row name -> speed-up from paired iterations (torch time / distlib time)
+        self.barrier_pairs: Dict[str, common.PairedRatio] = {}
 
     def _row(self, section: str, name: str, unit: str, higher: bool, target: Optional[Target] = None,
              note: str = "") -> Row:
@@ -511,6 +515,12 @@ class StoreBench:
                 self.say(f"  barrier of {world} ranks FAILED: {exc}")
 
     def _barrier(self, world: int, row: Row) -> None:
+        """Each round runs its iterations with the implementations alternating one by one
+        (a b, b a, a b ...), not in blocks: the speed of this load drifts by tens of percent
+        within seconds on a small VM, and a block of one implementation's iterations can
+        fall in a slow stretch. Each iteration of distlib and the torch iteration next to it
+        form a pair; ``barrier_lines`` reports the median ratio of the pairs with a 95%
+        bootstrap interval, which says whether a difference is larger than the drift."""
         servers: Dict[str, _Server] = {}
         ranks: Dict[str, _BarrierRanks] = {}
         try:
@@ -521,12 +531,23 @@ class StoreBench:
             for impl in self.impls:
                 self.say(f"  barrier of {world} ranks: connecting the ranks to {impl}'s server ...")
                 ranks[impl].wait_ready(180 + world * 0.5)
-            for rnd, impl in self._rounds():
-                self.say(f"  barrier of {world} ranks, round {rnd + 1}, {impl} ...")
-                times = ranks[impl].run(self.args.barrier_iterations)
-                phases = ranks[impl].phases
-                row.add(impl, median(times), iterations=[round(t, 6) for t in times],
-                        arrival_s=median([a for a, _ in phases]), release_s=median([r for _, r in phases]))
+            every: Dict[str, List[float]] = {impl: [] for impl in self.impls}
+            for rnd in range(self.args.rounds):
+                self.say(f"  barrier of {world} ranks, round {rnd + 1}: {self.args.barrier_iterations} iterations"
+                         + (f", {' and '.join(self.impls)} alternating" if len(self.impls) > 1 else "") + " ...")
+                times: Dict[str, List[float]] = {impl: [] for impl in self.impls}
+                phases: Dict[str, List[Tuple[float, float]]] = {impl: [] for impl in self.impls}
+                for it in range(self.args.barrier_iterations):
+                    for impl in self.impls if it % 2 == 0 else self.impls[::-1]:
+                        times[impl] += ranks[impl].run(1)
+                        phases[impl] += ranks[impl].phases
+                for impl in self.impls:
+                    t, ph = times[impl], phases[impl]
+                    every[impl] += t
+                    row.add(impl, median(t), iterations=[round(x, 6) for x in t],
+                            arrival_s=median([a for a, _ in ph]), release_s=median([r for _, r in ph]))
+            if TORCH in every:
+                self.barrier_pairs[row.name] = common.paired_ratio(every[TORCH], every[DISTLIB])
         finally:
             for impl in ranks:
                 ranks[impl].stop()
@@ -636,6 +657,12 @@ class StoreBench:
                     release = median([d["release_s"] for d in details])
                     lines.append(f"  {row.name.split(':')[0]}, {impl}: arrival {fmt_seconds(arrival)}, "
                                  f"release {fmt_seconds(release)}")
+            paired = self.barrier_pairs.get(row.name)
+            if paired is not None and paired.pairs:
+                lines.append(f"  {row.name.split(':')[0]}, speed-up over {paired.pairs} paired iterations "
+                             f"(torch time / distlib time, each pair back to back): median "
+                             f"{fmt_speedup(paired.median)}, 95% CI {fmt_speedup(paired.low)} to "
+                             f"{fmt_speedup(paired.high)}")
         return lines
 
     def storm_lines(self) -> List[str]:
@@ -833,6 +860,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "implementations": impls,
             "rows": [row.to_json(impls) for row in bench.rows],
             "connect_storm": bench.storm_details,
+            "barrier_paired_speedup": {name: p.to_json() for name, p in bench.barrier_pairs.items()},
             "targets": counts,
             "failures": failures,
             "wall_seconds": round(wall, 3),

@@ -101,6 +101,34 @@ def test_row_json_has_rounds_medians_and_nulls_for_nan():
     assert doc["target"] == {"text": ">= 2x", "min_speedup": 2.0} and doc["note"] == "n"
 
 
+def test_paired_ratio_cancels_a_drift_both_sides_saw():
+    # the machine's speed swings 3x from pair to pair; within each pair torch takes 10% longer
+    drift = [1.0, 3.0, 1.2, 2.5, 0.9, 2.8, 1.1, 3.1, 1.0, 2.9] * 3
+    distlib = [0.05 * d for d in drift]
+    torch = [0.055 * d for d in drift]
+    paired = common.paired_ratio(torch, distlib)
+    assert paired.pairs == 30
+    assert paired.median == pytest.approx(1.1)
+    assert paired.low == pytest.approx(1.1) and paired.high == pytest.approx(1.1)
+
+
+def test_paired_ratio_interval_covers_noise_and_is_reproducible():
+    torch = [1.00, 1.10, 0.95, 1.20, 0.90, 1.05, 1.15, 0.85, 1.00, 1.10]
+    distlib = [1.0] * 10
+    a = common.paired_ratio(torch, distlib)
+    assert a.low < a.median < a.high
+    assert a.low >= 0.85 and a.high <= 1.20
+    assert common.paired_ratio(torch, distlib) == a  # fixed seed: the same numbers give the same interval
+    assert a.to_json() == {"median": a.median, "ci95": [a.low, a.high], "pairs": 10}
+
+
+def test_paired_ratio_of_nothing_is_nan_with_no_pairs():
+    empty = common.paired_ratio([], [])
+    assert empty.pairs == 0 and math.isnan(empty.median)
+    assert empty.to_json() == {"median": None, "ci95": [None, None], "pairs": 0}
+    assert common.paired_ratio([1.0, 0.0], [0.0, 1.0]).pairs == 0  # a zero time is no measurement
+
+
 def test_interleaved_order():
     assert common.interleaved(2, ["a", "b"]) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
 

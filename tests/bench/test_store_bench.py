@@ -90,6 +90,57 @@ def test_barrier_ranks_pass_a_real_barrier():
         server.stop()
 
 
+def test_barrier_alternates_implementations_iteration_by_iteration(monkeypatch):
+    """distlib, torch, torch, distlib, ...: each iteration is paired with the other
+    implementation's next to it, and the speed-up comes from the pairs (fakes stand in for
+    the servers and generators; torch is not needed)."""
+    calls = []
+
+    class FakeServer:
+        def __init__(self, impl, use_libuv):
+            self.impl = impl
+
+        def __enter__(self):
+            return 1
+
+        def __exit__(self, *exc):
+            pass
+
+    class FakeRanks:
+        def __init__(self, host, port, world, procs, tag):
+            self.tag, self.phases = tag, []
+
+        def wait_ready(self, timeout):
+            pass
+
+        def run(self, iterations):
+            assert iterations == 1
+            calls.append(self.tag)
+            drift = 1.0 + ((len(calls) - 1) // 2 % 3)  # the machine's speed changes from pair to pair
+            t = 0.1 * drift * (1.25 if self.tag == bench.TORCH else 1.0)
+            self.phases = [(t * 0.6, t * 0.4)]
+            return [t]
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(bench, "_Server", FakeServer)
+    monkeypatch.setattr(bench, "_BarrierRanks", FakeRanks)
+    args = bench.build_parser().parse_args(["--rounds", "2", "--barrier-ranks", "8", "--barrier-iterations", "3"])
+    args.barrier_procs = 1
+    sb = bench.StoreBench(args, [bench.DISTLIB, bench.TORCH], lambda text: None)
+    sb.barrier()
+    d, t = bench.DISTLIB, bench.TORCH
+    assert calls == [d, t, t, d, d, t] * 2
+    row = sb.rows[0]
+    assert len(row.values[d]) == len(row.values[t]) == 2  # one median per round
+    assert [len(x["iterations"]) for x in row.details[d]] == [3, 3]
+    paired = sb.barrier_pairs[row.name]
+    assert paired.pairs == 6 and paired.median == pytest.approx(1.25)
+    assert paired.low == pytest.approx(1.25) and paired.high == pytest.approx(1.25)
+    assert any("6 paired iterations" in line and "1.25x" in line for line in sb.barrier_lines())
+
+
 def test_connect_storm_child_connects_everyone():
     server = StoreServer("127.0.0.1", 0).start()
     try:
