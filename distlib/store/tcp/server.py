@@ -82,7 +82,7 @@ from typing import Deque, Dict, List, Optional, Sequence
 from ...cpus import usable_cpus
 from ...errors import DistNetworkError
 from ..base import parse_counter, wrap_int64
-from . import protocol
+from . import batch, protocol
 from .connect import lookup_name
 from .protocol import (
     I64,
@@ -108,6 +108,8 @@ log = logging.getLogger("distlib.store.tcp.server")
 RECV_SIZE = 64 * 1024
 #: The most one recv() asks for while the rest of a large value is known to be on its way.
 MAX_RECV_SIZE = 4 * 1024 * 1024
+#: A turn with at least this many connections to answer sends through batch.send_replies.
+FLUSH_BATCH_MIN = 16
 MAX_PENDING_OUTPUT = 256 * 1024 * 1024  # unread replies past this close the connection
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 #: After activity, poll without sleeping this long before blocking (DISTLIB_STORE_SPIN_US;
@@ -415,6 +417,10 @@ class StoreServer:
         ):
             ops[op] = fn
         self._ops = ops
+        #: The batch path for plain ADD and WAIT turns (batch.py); DISTLIB_STORE_BATCH=0 turns
+        #: it off, leaving every request to the general path.
+        self.batch: Optional[batch.BatchPath] = (
+            None if os.environ.get("DISTLIB_STORE_BATCH", "1") == "0" else batch.BatchPath(self))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -459,6 +465,8 @@ class StoreServer:
                     continue
                 turn(events, ep)
         finally:
+            if self.batch is not None:
+                self.batch.close()
             for conn in list(self.conns.values()):
                 self._close(conn, ep, "server stopping", quiet=True)
             ep.close()
@@ -473,6 +481,8 @@ class StoreServer:
 
     def _turn(self, events, ep) -> None:
         """One loop turn: read and run what ``events`` report, then send every reply."""
+        if self.batch is not None and self.batch.run(events, ep, RECV_SIZE):
+            events = ()
         conns = self.conns
         read_once = self._read_once
         for fd, ev in events:
@@ -587,23 +597,31 @@ class StoreServer:
     def _read_once(self, conn: Connection, ep, ev: int) -> bool:
         """One recv(), run the requests it completes, send the replies. Returns whether the
         socket may hold more (a full read, or a pending EOF)."""
-        inbuf = conn.inbuf
         size = RECV_SIZE
+        inbuf = conn.inbuf
         if inbuf is not None:
             missing = conn.need - len(inbuf)
             if missing > size:  # the rest of a large value: read it in big steps
                 size = min(missing, MAX_RECV_SIZE)
         try:
             data = conn.sock.recv(size)
-        except (BlockingIOError, InterruptedError):
-            return False
         except OSError as exc:
-            self._close(conn, ep, f"receive failed ({exc.strerror})")
+            self._recv_failed(conn, ep, exc)
             return False
+        return self._consume(conn, ep, ev, data, size)
+
+    def _recv_failed(self, conn: Connection, ep, exc: OSError) -> None:
+        if not isinstance(exc, (BlockingIOError, InterruptedError)):
+            self._close(conn, ep, f"receive failed ({exc.strerror})")
+
+    def _consume(self, conn: Connection, ep, ev: int, data: bytes, size: int) -> bool:
+        """Run the requests that ``data`` (what one recv(size) returned) completes. Returns
+        whether the socket may hold more (a full read, or a pending EOF)."""
         if not data:
             self._close(conn, ep, "disconnected")
             return False
         more = len(data) == size or ev & EPOLLRDHUP
+        inbuf = conn.inbuf
         if inbuf is not None:
             inbuf += data
             if len(inbuf) < conn.need:
@@ -719,6 +737,8 @@ class StoreServer:
         A single client's request is the only event of its turn, so it waits for nothing.
         """
         dirty, self._dirty = self._dirty, []
+        if self.batch is not None and len(dirty) >= FLUSH_BATCH_MIN:
+            dirty = self._flush_batch(dirty)
         for conn in dirty:
             out = conn.out
             if not out:
@@ -735,6 +755,29 @@ class StoreServer:
                 if sent:
                     out[0] = memoryview(reply)[sent:]
             self._send(conn, ep)
+
+    def _flush_batch(self, dirty: List[Connection]) -> List[Connection]:
+        """Send the single replies of a large turn with ``batch.send_replies``; return the
+        connections left for ``_flush``'s general path (more than one reply, output already
+        pending, or a send that did not take all)."""
+        conns: List[Connection] = []
+        replies: List[bytes] = []
+        rest: List[Connection] = []
+        for conn in dirty:
+            out = conn.out
+            if not out:
+                continue  # listed twice this turn, or closed
+            if len(out) == 1 and conn.pending is None:
+                conns.append(conn)
+                replies.append(out[0])
+                conn.out = []
+            else:
+                rest.append(conn)
+        batch.send_replies(self, conns, replies)
+        if self._dirty:  # what send_replies gave back
+            rest += self._dirty
+            self._dirty = []
+        return rest
 
     def _send(self, conn: Connection, ep) -> None:
         out = conn.out

@@ -1,0 +1,397 @@
+"""The server's batch path (distlib/store/tcp/batch.py) against the general path's behaviour.
+
+Each test builds a server that is not serving, connects clients to it through socket pairs,
+and hands ``_turn`` a chosen list of events, so that the order of requests within one loop
+turn is the test's, not the scheduler's.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+
+import pytest
+
+from distlib.store.tcp import StoreServer
+from distlib.store.tcp import protocol as proto
+from distlib.store.tcp.batch import FRAME_CACHE_SIZE, PARALLEL_MIN, FanOut, frame_kind
+from distlib.store.tcp.server import CONN_EVENTS, Connection
+
+EPOLLIN = select.EPOLLIN
+MAX_I64 = (1 << 63) - 1
+
+
+class Turns:
+    """A StoreServer with clients attached by hand; ``turn`` runs one loop turn."""
+
+    def __init__(self, batch: bool = True):
+        self.server = StoreServer("127.0.0.1", 0)
+        if not batch:
+            self.server.batch = None
+        self.ep = select.epoll()
+        self.clients = []
+        self.conns = []
+
+    def client(self):
+        mine, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        conn = Connection(theirs, f"client-{len(self.clients)}")
+        conn.validated = True
+        self.server.conns[conn.fd] = conn
+        self.ep.register(conn.fd, CONN_EVENTS)
+        mine.settimeout(2)
+        self.clients.append(mine)
+        self.conns.append(conn)
+        return mine, conn
+
+    def turn(self, *clients, events=None):
+        """One loop turn with an EPOLLIN event for each of ``clients``, in that order."""
+        if events is None:
+            events = [(self.conns[self.clients.index(c)].fd, EPOLLIN) for c in clients]
+        self.server._turn(events, self.ep)
+
+    def close(self):
+        if self.server.batch is not None:
+            self.server.batch.close()
+        for c in self.clients:
+            c.close()
+        for conn in self.conns:
+            if not conn.closed:
+                conn.sock.close()
+        self.ep.close()
+        self.server.listener.close()
+        if self.server.local_listener is not None:
+            self.server.local_listener.close()
+
+
+@pytest.fixture(params=[True, False], ids=["batch", "general"])
+def turns(request):
+    t = Turns(batch=request.param)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def batched():
+    t = Turns(batch=True)
+    yield t
+    t.close()
+
+
+def recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "the server closed the connection"
+        data += chunk
+    return data
+
+
+def nothing_to_read(sock) -> bool:
+    sock.setblocking(False)
+    try:
+        sock.recv(1)
+    except BlockingIOError:
+        return True
+    finally:
+        sock.settimeout(2)
+    return False
+
+
+def i64(data: bytes) -> int:
+    return proto.I64.unpack(data)[0]
+
+
+def wait(key: bytes) -> bytes:
+    return proto.keys_request(proto.Op.WAIT, [key])
+
+
+def test_adds_in_one_turn_get_the_values_of_their_order(turns):
+    a, b, c = (turns.client()[0] for _ in range(3))
+    a.sendall(proto.add(b"k", 1))
+    b.sendall(proto.add(b"k", 1))
+    c.sendall(proto.add(b"k", 5))
+    turns.turn(c, a, b)
+    assert [i64(recv_exact(s, 8)) for s in (c, a, b)] == [5, 6, 7]
+    assert turns.server.data[b"k"] == b"7"
+
+
+def test_the_batch_path_takes_plain_add_and_wait_turns(batched):
+    a, b = (batched.client()[0] for _ in range(2))
+    a.sendall(proto.add(b"k", 2))
+    b.sendall(wait(b"k2"))
+    batched.turn(a, b)
+    assert i64(recv_exact(a, 8)) == 2
+    assert set(batched.server.batch.frames) == {proto.add(b"k", 2), wait(b"k2")}
+    assert batched.conns[1].wait_count == 1 and batched.server.waiters[b"k2"] == [batched.conns[1]]
+
+
+def test_a_request_the_batch_path_does_not_run_keeps_its_place(turns):
+    """ADD, GET, ADD on one key in one turn: the GET sees the first ADD only."""
+    a, b, c = (turns.client()[0] for _ in range(3))
+    a.sendall(proto.add(b"k", 1))
+    b.sendall(proto.get(b"k"))
+    c.sendall(proto.add(b"k", 1))
+    turns.turn(a, b, c)
+    assert i64(recv_exact(a, 8)) == 1
+    assert recv_exact(b, 9) == proto.U64.pack(1) + b"1"
+    assert i64(recv_exact(c, 8)) == 2
+
+
+def test_waiters_are_released_together_and_can_go_on(turns):
+    waiters = [turns.client()[0] for _ in range(5)]
+    setter = turns.client()[0]
+    for w in waiters:
+        w.sendall(wait(b"done"))
+    turns.turn(*waiters)
+    assert all(nothing_to_read(w) for w in waiters)
+    setter.sendall(proto.set_(b"done", b"1"))
+    turns.turn(setter)
+    assert [recv_exact(w, 1) for w in waiters] == [bytes([proto.STOP_WAITING])] * 5
+    assert b"done" not in turns.server.waiters
+    assert all(c.wait_count == 0 and not c.wait_keys for c in turns.conns)
+    waiters[0].sendall(proto.add(b"n", 3))  # a released connection runs its next request
+    turns.turn(waiters[0])
+    assert i64(recv_exact(waiters[0], 8)) == 3
+
+
+def test_wait_on_a_present_key_answers_at_once(turns):
+    a, b = (turns.client()[0] for _ in range(2))
+    a.sendall(proto.add(b"k", 1))
+    b.sendall(wait(b"k"))
+    turns.turn(a, b)
+    assert i64(recv_exact(a, 8)) == 1
+    assert recv_exact(b, 1) == bytes([proto.STOP_WAITING])
+
+
+def test_an_add_creates_the_key_a_waiter_of_the_same_turn_waits_for(turns):
+    a, b = (turns.client()[0] for _ in range(2))
+    a.sendall(wait(b"k"))
+    b.sendall(proto.add(b"k", 1))
+    turns.turn(a, b)
+    assert recv_exact(a, 1) == bytes([proto.STOP_WAITING])
+    assert i64(recv_exact(b, 8)) == 1
+
+
+def test_a_multi_key_waiter_is_released_only_by_its_last_key(turns):
+    multi, single = (turns.client()[0] for _ in range(2))
+    setter = turns.client()[0]
+    multi.sendall(proto.keys_request(proto.Op.WAIT, [b"x", b"y"]))
+    single.sendall(wait(b"x"))
+    turns.turn(multi, single)
+    setter.sendall(proto.set_(b"x", b"1"))
+    turns.turn(setter)
+    assert recv_exact(single, 1) == bytes([proto.STOP_WAITING])
+    assert nothing_to_read(multi)
+    setter.sendall(proto.set_(b"y", b"1"))
+    turns.turn(setter)
+    assert recv_exact(multi, 1) == bytes([proto.STOP_WAITING])
+
+
+def test_add_wraps_at_int64_as_the_general_path_does(turns):
+    turns.server.data[b"k"] = b"%d" % MAX_I64
+    a = turns.client()[0]
+    a.sendall(proto.add(b"k", 1))
+    turns.turn(a)
+    assert i64(recv_exact(a, 8)) == -(1 << 63)
+    assert turns.server.data[b"k"] == b"%d" % -(1 << 63)
+
+
+def test_add_that_overflows_a_short_counter_wraps(turns):
+    turns.server.data[b"k"] = b"5"
+    a = turns.client()[0]
+    a.sendall(proto.add(b"k", MAX_I64))
+    turns.turn(a)
+    assert i64(recv_exact(a, 8)) == -(1 << 63) + 4
+
+
+def test_a_request_behind_a_pending_wait_waits_for_it(turns):
+    """ADD from a connection whose WAIT is pending runs after the wait, even when the
+    turn's other requests are ADDs on the same key."""
+    waiter, other, setter = (turns.client()[0] for _ in range(3))
+    waiter.sendall(wait(b"go"))
+    turns.turn(waiter)
+    waiter.sendall(proto.add(b"n", 1))
+    other.sendall(proto.add(b"n", 1))
+    turns.turn(waiter, other)
+    assert i64(recv_exact(other, 8)) == 1
+    assert nothing_to_read(waiter)
+    setter.sendall(proto.set_(b"go", b"1"))
+    turns.turn(setter)
+    assert recv_exact(waiter, 9) == bytes([proto.STOP_WAITING]) + proto.I64.pack(2)
+
+
+def test_add_on_a_value_that_is_not_a_number_closes_only_that_client(turns):
+    turns.server.data[b"text"] = b"hello"
+    bad, good = (turns.client()[0] for _ in range(2))
+    bad.sendall(proto.add(b"text", 1))
+    good.sendall(proto.add(b"k", 1))
+    turns.turn(bad, good)
+    assert bad.recv(8) == b""  # closed
+    assert i64(recv_exact(good, 8)) == 1
+    assert turns.server.data[b"text"] == b"hello"
+
+
+def test_negative_counters_go_through_the_general_parse(turns):
+    turns.server.data[b"k"] = b"-5"
+    a = turns.client()[0]
+    a.sendall(proto.add(b"k", 2))
+    turns.turn(a)
+    assert i64(recv_exact(a, 8)) == -3
+
+
+def test_a_partial_frame_waits_for_its_rest(turns):
+    a, b = (turns.client()[0] for _ in range(2))
+    frame = proto.add(b"key", 4)
+    a.sendall(frame[:10])
+    b.sendall(proto.add(b"key", 1))
+    turns.turn(a, b)
+    assert i64(recv_exact(b, 8)) == 1
+    assert nothing_to_read(a)
+    a.sendall(frame[10:])
+    turns.turn(a)
+    assert i64(recv_exact(a, 8)) == 5
+
+
+def test_pipelined_requests_in_one_read_all_run(turns):
+    a = turns.client()[0]
+    a.sendall(proto.add(b"k", 1) + proto.add(b"k", 1) + wait(b"k"))
+    turns.turn(a)
+    assert recv_exact(a, 17) == proto.I64.pack(1) + proto.I64.pack(2) + bytes([proto.STOP_WAITING])
+
+
+def test_a_spurious_event_in_the_middle_of_a_turn(turns):
+    """No data behind one event (recv raises BlockingIOError): the others still run, in
+    order, and that connection stays open."""
+    a, b, c = (turns.client()[0] for _ in range(3))
+    a.sendall(proto.add(b"k", 1))
+    c.sendall(proto.add(b"k", 1))
+    turns.turn(a, b, c)
+    assert i64(recv_exact(a, 8)) == 1 and i64(recv_exact(c, 8)) == 2
+    assert not turns.conns[1].closed
+    b.sendall(proto.add(b"k", 1))
+    turns.turn(b)
+    assert i64(recv_exact(b, 8)) == 3
+
+
+def test_a_client_gone_in_the_middle_of_a_turn_is_closed_and_forgotten(turns):
+    a, b, c = (turns.client()[0] for _ in range(3))
+    a.sendall(proto.add(b"k", 1))
+    b.close()
+    c.sendall(wait(b"d"))
+    turns.turn(a, b, c)
+    assert i64(recv_exact(a, 8)) == 1
+    assert turns.conns[1].closed and turns.conns[1].fd not in turns.server.conns
+    assert turns.server.waiters[b"d"] == [turns.conns[2]]
+
+
+def test_a_reset_connection_in_the_middle_of_a_turn_is_closed_with_a_log_line(turns, caplog):
+    a, b, c = (turns.client()[0] for _ in range(3))
+    turns.conns[1].sock.send(b"unread")  # a UNIX socket closed with unread data resets its peer
+    b.close()
+    a.sendall(proto.add(b"k", 1))
+    c.sendall(proto.add(b"k", 1))
+    with caplog.at_level("WARNING", "distlib.store.tcp.server"):
+        turns.turn(a, b, c)
+    assert i64(recv_exact(a, 8)) == 1 and i64(recv_exact(c, 8)) == 2
+    assert turns.conns[1].closed
+    assert any("receive failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_reply_the_socket_cannot_take_is_sent_when_it_drains(turns):
+    a, conn = turns.client()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    filler = b"x" * 4096
+    while True:  # fill the path to the client as if it had stopped reading
+        try:
+            conn.sock.send(filler)
+        except BlockingIOError:
+            break
+    a.sendall(proto.add(b"k", 7))
+    turns.turn(a)
+    assert conn.pending is not None and not conn.closed  # kept, to go out later
+    a.setblocking(False)
+    drained = b""
+    while True:
+        try:
+            chunk = a.recv(1 << 16)
+        except BlockingIOError:
+            break
+        drained += chunk
+    assert set(drained) == {ord("x")}
+    turns.turn(events=[(conn.fd, select.EPOLLOUT)])
+    a.settimeout(2)
+    assert i64(recv_exact(a, 8)) == 7
+
+
+def test_the_worker_counter_goes_through_the_general_path(batched):
+    a = batched.client()[0]
+    a.sendall(proto.add(proto.WORKER_COUNTER_KEY, 1))
+    batched.turn(a)
+    assert i64(recv_exact(a, 8)) == 1
+    assert batched.server.workers_joined == 1
+    assert proto.add(proto.WORKER_COUNTER_KEY, 1) not in batched.server.batch.frames
+
+
+def test_a_turn_of_many_clients_is_shared_by_threads_and_keeps_its_order(turns, monkeypatch):
+    """PARALLEL_MIN + 50 clients in one turn (recv()s and send()s split across threads when
+    there are threads): ADD values follow the turn's order, a GET in the middle sees the
+    ADDs before it, and a release reaches every waiter."""
+    n = PARALLEL_MIN + 50
+    clients = [turns.client()[0] for _ in range(n)]
+    order = clients[::-1]
+    for i, c in enumerate(order):
+        c.sendall(proto.get(b"k") if i == 100 else proto.add(b"k", 1))
+    turns.turn(*order)
+    values = []
+    for i, c in enumerate(order):
+        if i == 100:
+            assert recv_exact(c, 8 + 3) == proto.U64.pack(3) + b"100"
+        else:
+            values.append(i64(recv_exact(c, 8)))
+    assert values == list(range(1, n))
+    for c in clients:
+        c.sendall(wait(b"go"))
+    turns.turn(*clients)
+    setter = turns.client()[0]
+    setter.sendall(proto.set_(b"go", b"1"))
+    turns.turn(setter)
+    assert [recv_exact(c, 1) for c in clients] == [bytes([proto.STOP_WAITING])] * n
+
+
+def test_fan_out_joins_the_slices_in_order():
+    pool = FanOut(2)
+    try:
+        items = list(range(10))
+        assert pool.map_parts(lambda part, arg: [x * arg for x in part], items, 3) == [x * 3 for x in items]
+        assert pool.map_parts(lambda part, arg: [a + b for a, b in zip(part, arg)], items, items) == [2 * x for x in items]
+    finally:
+        pool.close()
+
+
+def test_frame_kind_knows_exactly_one_complete_add_or_single_key_wait():
+    assert frame_kind(proto.add(b"k", -3), 8192) == (proto.Op.ADD, b"k", -3)
+    assert frame_kind(wait(b"k"), 8192) == (proto.Op.WAIT, b"k", 0)
+    assert frame_kind(proto.add(b"k", 1)[:-1], 8192) is None  # truncated
+    assert frame_kind(proto.add(b"k", 1) * 2, 8192) is None  # two requests
+    assert frame_kind(proto.keys_request(proto.Op.WAIT, [b"a", b"b"]), 8192) is None
+    assert frame_kind(proto.set_(b"k", b"v" * 20), 8192) is None
+    assert frame_kind(proto.add(b"k" * 20, 1), 10) is None  # over the key limit
+
+
+def test_the_frame_cache_is_bounded(batched):
+    path = batched.server.batch
+    for i in range(FRAME_CACHE_SIZE + 10):
+        path.kind(proto.add(b"key-%d" % i, 1))
+    assert 0 < len(path.frames) <= FRAME_CACHE_SIZE
+
+
+def test_batch_path_off_by_environment(monkeypatch):
+    monkeypatch.setenv("DISTLIB_STORE_BATCH", "0")
+    server = StoreServer("127.0.0.1", 0)
+    try:
+        assert server.batch is None
+    finally:
+        server.listener.close()
+        if server.local_listener is not None:
+            server.local_listener.close()
