@@ -28,6 +28,10 @@ def run_pytest_without_engine(tmp_path, require: str | None) -> subprocess.Compl
         def test_uses_docker(docker_client):
             pass
     """))
+    # An empty ini of its own, so that the project's pytest settings stay out (pytest 9
+    # refuses "-c /dev/null": a config file must end in .ini, .cfg or .toml).
+    config = tmp_path / "pytest.ini"
+    config.write_text("[pytest]\n")
     env = {k: v for k, v in os.environ.items() if k != "DISTLIB_REQUIRE_DOCKER"}
     env["DOCKER_HOST"] = "unix:///nonexistent/docker.sock"
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -35,7 +39,7 @@ def run_pytest_without_engine(tmp_path, require: str | None) -> subprocess.Compl
         env["DISTLIB_REQUIRE_DOCKER"] = require
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.fixtures.docker", "-p", "no:cacheprovider",
-         "-rsf", "--rootdir", str(tmp_path), "-c", os.devnull, str(test_file)],
+         "-rsf", "--rootdir", str(tmp_path), "-c", str(config), str(test_file)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
 

@@ -30,6 +30,13 @@ Design, and why:
 * **Replies go out at the end of the loop turn**, one send per connection, the replies a
   connection's own requests produced and the wake-ups other requests caused alike
   (``_flush`` says why).
+* **A batch path for the barrier's shape** (batch.py). A turn of plain ADD and one-key WAIT
+  requests is read, recognised and run with C-level loops and a cache of frames seen
+  before, and a turn with many replies (thousands of waiters released at once) sends them
+  through ``batch.send_replies``, split across helper threads: a send() on loopback or a LAN
+  costs the sender the receiver's side of TCP too, so one thread's sends leave the other
+  CPUs idle. Anything else goes through the general path; ``DISTLIB_STORE_BATCH=0`` turns
+  the batch path off.
 * **Busy-poll after activity** (BusyPoll). When a burst of requests ends, the loop keeps
   polling without sleeping for ``DISTLIB_STORE_SPIN_US`` (200 us) before it blocks. On VMs
   whose idle vCPUs halt (these machines), blocking costs ~100 us per request in wake-up
