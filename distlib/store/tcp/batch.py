@@ -19,9 +19,9 @@ Contract with server.py (what keeps the two paths one behaviour):
   ``frame_kind`` knows (ADD on any key but the worker counter, WAIT on one key). At the
   first one that is not, that event and every later one go through the general path, in
   order, with the bytes already received: requests keep their arrival order.
-* ADD and WAIT here do what ``_op_add`` and ``_op_wait`` do (stored value, wrap-around,
-  waking waiters, registering the wait); counters that are not plain decimal go to the
-  general path, which owns the parse errors.
+* ADD runs through ``StoreServer._add_to`` (the stored value, wrap-around, waking
+  waiters); counters that are not plain decimal go to the general path, which owns the
+  parse errors. WAIT does what ``_op_wait`` does for one key.
 * Replies go where the general path puts them (``out``, then ``_flush`` at the end of the
   turn); ``_flush`` hands a large turn's single replies to ``send_replies`` and keeps
   partial sends, send errors and everything else to itself.
@@ -38,7 +38,6 @@ from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from ...cpus import usable_cpus
-from ..base import wrap_int64
 from .protocol import I64, STOP_WAITING, U64, WORKER_COUNTER_KEY, Op
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -46,8 +45,6 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 _ADD = int(Op.ADD)
 _WAIT = int(Op.WAIT)
-_MAX_I64 = (1 << 63) - 1
-_MIN_I64 = -(1 << 63)
 _u64_from = U64.unpack_from
 _i64_from = I64.unpack_from
 _pack_i64 = I64.pack
@@ -158,18 +155,9 @@ class BatchPath:
             op, key, delta = kind
             if op == _ADD:
                 old = data.get(key)
-                if old is None:
-                    value = delta
-                elif old.isdigit() and len(old) < 19:
-                    value = int(old) + delta
-                else:
+                if old is not None and not (old.isdigit() and len(old) < 19):
                     break  # not a plain decimal counter: _op_add parses (and rejects) it
-                if value > _MAX_I64 or value < _MIN_I64:
-                    value = wrap_int64(value)
-                data[key] = b"%d" % value
-                if key in waiters:
-                    server._wake(key)
-                conn.out.append(_pack_i64(value))
+                conn.out.append(_pack_i64(server._add_to(key, delta, "ADD")))
                 dirty.append(conn)
             elif key in data or queues.get(key):
                 conn.out.append(_STOP)
@@ -189,7 +177,7 @@ class BatchPath:
             if conn.closed:
                 continue
             result = results[i]
-            if result is None:  # not read (an earlier socket of its slice failed)
+            if result is None:  # not read (the recv() of an earlier socket failed)
                 more = server._read_once(conn, ep, _EPOLLIN)
             elif result.__class__ is bytes:
                 more = server._consume(conn, ep, _EPOLLIN, result, recv_size)
