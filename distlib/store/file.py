@@ -996,10 +996,13 @@ class FileStore(Store):
         if isinstance(keys, (str, bytes)):
             check_keys(keys)  # raises: a lone string is a slip, as in torch
         try:
-            return self._log.has_user_keys(keys)
+            found = self._log.has_user_keys(keys)
         except AttributeError:
             check_keys(keys)  # a key that is not a str: say so
             raise
+        if not found:  # the lookup stopped at the first missing key: the rest must be str too
+            check_keys(keys)
+        return found
 
     def wait(self, keys: List[str], timeout: Optional[TimeoutLike] = None) -> None:
         keys = check_keys(keys)

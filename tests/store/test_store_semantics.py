@@ -231,6 +231,11 @@ def test_keys_must_be_str_and_values_str_or_bytes(store):
         store.set("k", 12)
     with pytest.raises(TypeError):
         store.check("not-a-list")
+    for keys in ([b"bytes-key"], [7], ["k", b"bytes-key"]):  # one-key lists have a fast path
+        with pytest.raises(TypeError, match="key"):
+            store.check(keys)
+        with pytest.raises(TypeError, match="key"):
+            store.wait(keys, timedelta(seconds=0.1))
 
 
 def test_timeout_accepts_timedelta_and_seconds(store):

@@ -14,7 +14,7 @@ import pytest
 
 from distlib.store.tcp import StoreServer
 from distlib.store.tcp import protocol as proto
-from distlib.store.tcp.batch import FRAME_CACHE_SIZE, PARALLEL_MIN, FanOut, frame_kind
+from distlib.store.tcp.batch import FRAME_CACHE_SIZE, MIN_EVENTS, PARALLEL_MIN, FanOut, frame_kind
 from distlib.store.tcp.server import CONN_EVENTS, Connection
 
 EPOLLIN = select.EPOLLIN
@@ -24,10 +24,12 @@ MAX_I64 = (1 << 63) - 1
 class Turns:
     """A StoreServer with clients attached by hand; ``turn`` runs one loop turn."""
 
-    def __init__(self, batch: bool = True):
+    def __init__(self, batch: bool = True, min_events: int = 1):
         self.server = StoreServer("127.0.0.1", 0)
         if not batch:
             self.server.batch = None
+        else:  # the tests' turns are small: let the batch path take them (unless a test says)
+            self.server.batch.min_events = min_events
         self.ep = select.epoll()
         self.clients = []
         self.conns = []
@@ -124,6 +126,26 @@ def test_the_batch_path_takes_plain_add_and_wait_turns(batched):
     assert i64(recv_exact(a, 8)) == 2
     assert set(batched.server.batch.frames) == {proto.add(b"k", 2), wait(b"k2")}
     assert batched.conns[1].wait_count == 1 and batched.server.waiters[b"k2"] == [batched.conns[1]]
+
+
+def test_small_turns_go_through_the_general_path():
+    """A turn of fewer than MIN_EVENTS events (a single client's request) skips the batch
+    path: its setup would cost such a turn more than it saves."""
+    t = Turns(batch=True, min_events=MIN_EVENTS)
+    try:
+        clients = [t.client()[0] for _ in range(MIN_EVENTS)]
+        for s in clients[:-1]:
+            s.sendall(proto.add(b"k", 1))
+        t.turn(*clients[:-1])
+        assert t.server.batch.frames == {}  # the batch path never looked at a frame
+        assert [i64(recv_exact(s, 8)) for s in clients[:-1]] == list(range(1, MIN_EVENTS))
+        for s in clients:
+            s.sendall(proto.add(b"k", 1))
+        t.turn(*clients)  # MIN_EVENTS events: the batch path's
+        assert proto.add(b"k", 1) in t.server.batch.frames
+        assert [i64(recv_exact(s, 8)) for s in clients] == list(range(MIN_EVENTS, 2 * MIN_EVENTS))
+    finally:
+        t.close()
 
 
 def test_a_request_the_batch_path_does_not_run_keeps_its_place(turns):
@@ -363,7 +385,7 @@ def test_fan_out_joins_the_slices_in_order():
     pool = FanOut(2)
     try:
         items = list(range(10))
-        assert pool.map_parts(lambda part, arg: [x * arg for x in part], items, 3) == [x * 3 for x in items]
+        assert pool.map_parts(lambda part, arg: [x * y for x, y in zip(part, arg)], items, [3] * 10) == [x * 3 for x in items]
         assert pool.map_parts(lambda part, arg: [a + b for a, b in zip(part, arg)], items, items) == [2 * x for x in items]
     finally:
         pool.close()

@@ -46,7 +46,7 @@ import weakref
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ...deadline import Deadline, TimeoutLike, as_seconds, format_duration
+from ...deadline import Deadline, TimeoutLike, format_duration
 from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
 from . import protocol as proto
@@ -55,7 +55,6 @@ from .protocol import (
     I64,
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
-    NOT_READY,
     ORDERED_WAIT_PROBE_KEY,
     READY,
     STOP_WAITING,
@@ -611,6 +610,8 @@ class TCPStore(Store):
 
     @classmethod
     def _wires(cls, keys: Sequence[str]) -> List[bytes]:
+        if type(keys) is list and len(keys) == 1:  # check([k]), wait([k]): the usual case
+            return [cls._wire(keys[0])]  # (_wire rejects a key that is not a str)
         return [cls._wire(k) for k in check_keys(keys)]
 
     @staticmethod

@@ -6,7 +6,8 @@ that any number of jobs share.
 
 Design, and why:
 
-* **One thread, non-blocking sockets, epoll.** Every connection has its own input buffer
+* **One thread, non-blocking sockets, epoll** (the batch path below adds helper threads
+  that only send a large turn's replies). Every connection has its own input buffer
   and its own output queue. A client that sends half a request and stalls, or never reads
   its replies, holds only its own buffers; nobody waits on it. Thousands of idle
   connections cost a file descriptor each (the server raises its RLIMIT_NOFILE soft limit
@@ -30,16 +31,17 @@ Design, and why:
 * **Replies go out at the end of the loop turn**, one send per connection, the replies a
   connection's own requests produced and the wake-ups other requests caused alike
   (``_flush`` says why).
-* **A batch path for the barrier's shape** (batch.py). A turn of plain ADD and one-key WAIT
-  requests is read, recognised and run with C-level loops and a cache of frames seen
-  before, and a turn with many replies (thousands of waiters released at once) sends them
-  through ``batch.send_replies``, split across helper threads: a send() on loopback or a LAN
-  costs the sender the receiver's side of TCP too, so one thread's sends leave the other
-  CPUs idle. Anything else goes through the general path; ``DISTLIB_STORE_BATCH=0`` turns
-  the batch path off.
+* **A batch path for the barrier's shape** (batch.py). A turn of at least
+  ``batch.MIN_EVENTS`` plain ADD and one-key WAIT requests is read, recognised and run with
+  C-level loops and a cache of frames seen before, and a turn with many replies (thousands
+  of waiters released at once) sends them through ``batch.send_replies``, split across
+  helper threads: a send() on loopback or a LAN costs the sender the receiver's side of TCP
+  too, so one thread's sends leave the other CPUs idle. Anything else, a single client's
+  request included, goes through the general path; ``DISTLIB_STORE_BATCH=0`` turns the
+  batch path off.
 * **Busy-poll after activity** (BusyPoll). When a burst of requests ends, the loop keeps
   polling without sleeping for ``DISTLIB_STORE_SPIN_US`` (200 us) before it blocks. On VMs
-  whose idle vCPUs halt (these machines), blocking costs ~100 us per request in wake-up
+  whose idle vCPUs halt (the anchors' machines), blocking costs ~100 us per request in wake-up
   latency, more than the request itself. It does not spin when it may use one CPU only, or
   while more tasks are runnable than it has CPUs (then spinning takes the CPU from a
   process with work to do); an idle server spins once and sleeps, so the cost is at most
@@ -488,7 +490,8 @@ class StoreServer:
 
     def _turn(self, events, ep) -> None:
         """One loop turn: read and run what ``events`` report, then send every reply."""
-        if self.batch is not None and self.batch.run(events, ep, RECV_SIZE):
+        batch = self.batch
+        if batch is not None and len(events) >= batch.min_events and batch.run(events, ep, RECV_SIZE):
             events = ()
         conns = self.conns
         read_once = self._read_once
@@ -1103,6 +1106,11 @@ class StoreServer:
         if not missing:
             conn.out.append(_STOP)
             return p
+        self._wait_for(conn, missing)
+        return p
+
+    def _wait_for(self, conn: Connection, missing: List[bytes]) -> None:
+        """Register ``conn`` as waiting for every key of ``missing`` (none of them set yet)."""
         waiters = self.waiters
         for key in missing:
             lst = waiters.get(key)
@@ -1112,7 +1120,6 @@ class StoreServer:
                 lst.append(conn)
         conn.wait_keys = missing
         conn.wait_count = len(missing)
-        return p
 
     def _op_num_keys(self, conn: Connection, buf: bytes, pos: int, end: int) -> int:
         conn.out.append(_pack_i64(len(self.data)))
