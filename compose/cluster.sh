@@ -66,7 +66,7 @@ find_compose() {
     else
         die "neither \`docker compose\` (Compose v2) nor \`docker-compose\` is installed; install one (e.g. apt-get install docker-compose), or run \`make demo\` without containers"
     fi
-    COMPOSE_VERSION="$("${COMPOSE_CMD[@]}" version --short 2>/dev/null || "${COMPOSE_CMD[@]}" version 2>/dev/null | head -n 1)"
+    COMPOSE_VERSION="$("${COMPOSE_CMD[@]}" version --short 2>/dev/null || "${COMPOSE_CMD[@]}" version 2>/dev/null | sed -n 1p)"
 }
 
 # The owner label: resources of runs recorded in this state directory (so that `down` never
@@ -128,7 +128,7 @@ remove_by_label() { # $1: label filter; containers, then networks, then volumes.
     for id in $(docker network ls -q --filter "label=$1"); do
         if ! err="$(docker network rm "$id" 2>&1 >/dev/null)"; then
             left=1
-            err="$(printf '%s\n' "$err" | head -n 1)"
+            err="${err%%$'\n'*}"
             say "could not remove network $(docker network inspect -f '{{.Name}}' "$id" 2>/dev/null || echo "$id"): ${err#Error response from daemon: }"
             case "$err" in *"active endpoints"*)
                 say "  (no container uses it: a network endpoint leaked inside the Docker engine; restarting the engine clears it)" ;;
@@ -138,7 +138,8 @@ remove_by_label() { # $1: label filter; containers, then networks, then volumes.
     for id in $(docker volume ls -q --filter "label=$1"); do
         if ! err="$(docker volume rm -f "$id" 2>&1 >/dev/null)"; then
             left=1
-            say "could not remove volume $id: $(printf '%s\n' "${err#Error response from daemon: }" | head -n 1)"
+            err="${err%%$'\n'*}"
+            say "could not remove volume $id: ${err#Error response from daemon: }"
         fi
     done
     return "$left"
@@ -188,7 +189,7 @@ stop_logs() {
 
 volume_of() { # $1: volume name in the Compose file → its Docker name for this project
     docker volume ls -q --filter "label=com.docker.compose.project=$PROJECT" \
-        --filter "label=com.docker.compose.volume=$1" | head -n 1
+        --filter "label=com.docker.compose.volume=$1" | sed -n 1p
 }
 
 read_report() { # copy report.txt and report.json out of the reports volume into the run's state dir
@@ -200,6 +201,36 @@ read_report() { # copy report.txt and report.json out of the reports volume into
         'cd /r && tar -cf - $(ls report.txt report.json 2>/dev/null)' 2>/dev/null |
         tar -C "$STATE_DIR/$PROJECT" -xf - 2>/dev/null || return 1
     [ -s "$STATE_DIR/$PROJECT/report.txt" ]
+}
+
+# A Docker FinishedAt time (RFC 3339, its fraction of a second trimmed of trailing zeros)
+# with a 9-digit fraction, so that times sort as strings: "…:05.5Z" < "…:05.12Z" otherwise.
+sortable_time() {
+    local t="${1%Z}" frac=""
+    case "$t" in *.*) frac="${t##*.}" t="${t%.*}" ;; esac
+    frac="${frac}000000000"
+    printf '%s.%sZ' "$t" "${frac:0:9}"
+}
+
+# The containers among $@ (ids) that exited with a non-zero status, one per line, the root
+# cause first. A worker whose ranks failed because a peer died ("... died, was killed, or
+# destroyed its process group", "(reported by rank K ...)") often exits before the one that
+# died, so those followers go last; then by exit time.
+failed_root_cause_first() {
+    local id code logs follower
+    for id in "$@"; do
+        code="$(docker inspect -f '{{.State.ExitCode}}' "$id" 2>/dev/null || echo 1)"
+        [ "$code" != 0 ] || continue
+        # The whole log is read before grep looks at it: in `docker logs | grep -q` grep stops
+        # at the first match, docker logs may die of SIGPIPE, and pipefail then calls the
+        # follower a root cause.
+        logs="$(docker logs "$id" 2>&1 || true)"
+        follower=0
+        if grep -qE 'died, was killed, or destroyed its process group|\(reported by rank [0-9]+' <<<"$logs"; then
+            follower=1
+        fi
+        printf '%s %s %s\n' "$follower" "$(sortable_time "$(docker inspect -f '{{.State.FinishedAt}}' "$id" 2>/dev/null || true)")" "$id"
+    done | LC_ALL=C sort | cut -d' ' -f3
 }
 
 cmd_up() {
@@ -292,13 +323,9 @@ cmd_up() {
         compose stop -t 5 >/dev/null 2>&1 || true # the master service / the NFS server
     fi
 
-    # Which containers failed. The root cause first: a worker whose ranks failed because a peer
-    # died ("... died, was killed, or destroyed its process group", "(reported by rank K ...)")
-    # often exits before the one that died, so those followers go last; then by exit time.
-    # The job's exit status is the root cause's.
-    local id name code follower failed=() failed_ids=()
-    while read -r follower _ id; do
-        [ -n "$id" ] || continue
+    # Which containers failed, the root cause first. The job's exit status is the root cause's.
+    local id name code failed=() failed_ids=()
+    while read -r id; do
         failed_ids+=("$id")
         name="$(docker inspect -f '{{.Name}}' "$id" 2>/dev/null | sed 's,^/,,')"
         code="$(docker inspect -f '{{.State.ExitCode}}' "$id" 2>/dev/null || echo 1)"
@@ -308,15 +335,7 @@ cmd_up() {
         else
             failed+=("$name exited with $code")
         fi
-    done < <(for id in "${ids[@]}"; do
-        code="$(docker inspect -f '{{.State.ExitCode}}' "$id" 2>/dev/null || echo 1)"
-        [ "$code" != 0 ] || continue
-        follower=0
-        if docker logs "$id" 2>&1 | grep -qE 'died, was killed, or destroyed its process group|\(reported by rank [0-9]+'; then
-            follower=1
-        fi
-        printf '%s %s %s\n' "$follower" "$(docker inspect -f '{{.State.FinishedAt}}' "$id" 2>/dev/null)" "$id"
-    done | sort)
+    done < <(failed_root_cause_first "${ids[@]}")
     [[ "$status" =~ ^[0-9]+$ ]] || status=1
 
     if read_report; then
@@ -354,6 +373,9 @@ with_last_run() {
     CLUSTER_OWNER="$(owner_id)"
     export_run_env
 }
+
+# Sourced (the tests do, to call its functions): define them, run nothing.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 case "${1:-}" in
 up) cmd_up ;;

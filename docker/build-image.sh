@@ -156,7 +156,7 @@ debian_mirror() {
                     }
                 ' "$f"
             done
-        } | { grep -E '^[12] (https?|file|ftp)://' || true; } | sort -s -k1,1 | head -n 1 | cut -d' ' -f2
+        } | { grep -E '^[12] (https?|file|ftp)://' || true; } | sort -s -k1,1 | sed -n 1p | cut -d' ' -f2
     )"
     [ -n "$found" ] ||
         die "found no Debian mirror in $APT_ETC/sources.list(.d): set DEBIAN_MIRROR to build $DEBOOTSTRAP_BASE"
@@ -329,7 +329,7 @@ print(\"libc=\" + lib); print(\"libc_version=\" + ver)"
         >"$probe_file.tmp" 2>&1 || { cat "$probe_file.tmp" >&2; rm -f "$probe_file.tmp"; die "could not run a shell in $base"; }
     mv "$probe_file.tmp" "$probe_file"
 fi
-probe() { sed -n "s/^$1=//p" "$probe_file" | head -n 1; }
+probe() { sed -n "s/^$1=//p" "$probe_file" | sed -n 1p; }
 probe_error="$(probe error)"
 [ -z "$probe_error" ] || { rm -f "$probe_file"; die "base image $base is unusable: $probe_error"; }
 py_version="$(probe python)"

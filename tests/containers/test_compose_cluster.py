@@ -191,6 +191,57 @@ def test_file_mode_on_an_nfs_export_uses_the_local_driver_with_nfs_options(tmp_p
     assert shared["driver_opts"]["o"].startswith("addr=nfs.example.internal,rw,nfsvers=4.1")
 
 
+# A `docker` that answers `inspect -f FORMAT ID` and `logs ID` from $FAKE_DOCKER/ID/{exit,finished,log}.
+FAKE_DOCKER = r"""#!/usr/bin/env bash
+d="$FAKE_DOCKER/${@: -1}"
+case "$1 ${3:-}" in
+"inspect {{.State.ExitCode}}") cat "$d/exit" ;;
+"inspect {{.State.FinishedAt}}") cat "$d/finished" ;;
+"inspect {{.Name}}") echo "/${@: -1}" ;;
+logs*) cat "$d/log" ;;
+*) echo "fake docker: $*" >&2; exit 1 ;;
+esac
+"""
+
+
+def failed_root_cause_first(tmp_path: Path, containers: Dict[str, tuple]) -> List[str]:
+    """compose/cluster.sh's failed_root_cause_first over fake containers {id: (exit, finished, log)}."""
+    bin_dir, data = tmp_path / "bin", tmp_path / "containers"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    for cid, (code, finished, log) in containers.items():
+        (data / cid).mkdir(parents=True)
+        (data / cid / "exit").write_text(f"{code}\n")
+        (data / cid / "finished").write_text(f"{finished}\n")
+        (data / cid / "log").write_text(log)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DOCKER=str(data))
+    proc = subprocess.run(["bash", "-c", 'source "$1" && shift && failed_root_cause_first "$@"', "bash", str(CLUSTER), *containers],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+def test_the_rank_that_died_is_named_before_the_ranks_that_saw_it_die(tmp_path):
+    """The first failure `up` names (and whose status it exits with) is the worker that died,
+    not a peer that exited earlier because it lost its connection to it, however long that
+    peer's log is: a long log once made the follower check itself fail (grep -q + SIGPIPE +
+    pipefail) and the follower was named the root cause."""
+    seen_it_die = ("train_dp: rank 2 FAILED: DistBackendError: pg0/gloo: rank 1 (172.20.0.3:52209) closed the "
+                   "connection: rank 1 died, was killed, or destroyed its process group\n")
+    noise = "step 17 loss 0.25 allreduce 1.2 ms\n" * 40000  # ~1.4 MB after the line that matters
+    order = failed_root_cause_first(tmp_path, {
+        "follower-early": (1, "2026-11-22T03:24:30.1Z", seen_it_die + noise),
+        "fine": (0, "2026-11-22T03:24:31Z", "done\n"),
+        "reported": (1, "2026-11-22T03:24:30.2Z", "rank 0 FAILED: barrier timed out (reported by rank 3)\n"),
+        "oom": (137, "2026-11-22T03:24:30.123Z", "Killed\n"),
+        "died": (3, "2026-11-22T03:24:30.12Z", "distlib-run: worker failed: global rank 1 exited with code 3\n"),
+    })
+    # root causes by exit time (Docker trims a fraction's zeros: .12 is before .123, though
+    # "30.12Z" sorts after "30.123Z" as a string), then the followers by exit time
+    assert order == ["died", "oom", "follower-early", "reported"]
+
+
 # -- real clusters --------------------------------------------------------------------------------
 
 
