@@ -87,6 +87,10 @@ def parse_counter(raw: bytes, key: str) -> int:
     return number
 
 
+INT64_MAX = (1 << 63) - 1
+INT64_MIN = -(1 << 63)
+
+
 def wrap_int64(number: int) -> int:
     """Two's complement wrap-around, as torch's servers add (2**62 + 2**62 → -2**63)."""
     return (number + 2**63) % 2**64 - 2**63

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import select
 import socket
+import threading
 
 import pytest
 
 from distlib.store.tcp import StoreServer
 from distlib.store.tcp import protocol as proto
-from distlib.store.tcp.batch import FRAME_CACHE_SIZE, MIN_EVENTS, PARALLEL_MIN, FanOut, frame_kind
+from distlib.store.tcp.batch import FRAME_CACHE_SIZE, MIN_EVENTS, PARALLEL_MIN, SLICE, FanOut, frame_kind
 from distlib.store.tcp.server import CONN_EVENTS, Connection
 
 EPOLLIN = select.EPOLLIN
@@ -116,6 +117,36 @@ def test_adds_in_one_turn_get_the_values_of_their_order(turns):
     turns.turn(c, a, b)
     assert [i64(recv_exact(s, 8)) for s in (c, a, b)] == [5, 6, 7]
     assert turns.server.data[b"k"] == b"7"
+
+
+def test_adds_on_several_keys_and_waits_between_them_see_every_add_before_them(turns):
+    """The batch path keeps a run of ADDs on one key as a running sum and stores it when the
+    run ends: a WAIT, an ADD on another key, a waiter and the general path must still see
+    each ADD before them."""
+    server = turns.server
+    server.data[b"near-max"] = b"%d" % (MAX_I64 - 1)
+    old_waiter = turns.client()[0]
+    old_waiter.sendall(wait(b"k1"))
+    turns.turn(old_waiter)
+    c = [turns.client()[0] for _ in range(11)]
+    c[0].sendall(proto.add(b"k1", 1))
+    c[1].sendall(proto.add(b"k1", 1))
+    c[2].sendall(wait(b"k2"))  # absent: waits
+    c[3].sendall(proto.add(b"k2", 3))  # creates k2: releases c[2]
+    c[4].sendall(proto.add(b"k1", 1))
+    c[5].sendall(wait(b"k1"))  # present (the run before c[2] was stored): answered at once
+    c[6].sendall(proto.add(b"k1", 1))
+    c[7].sendall(proto.add(b"near-max", 1))
+    c[8].sendall(proto.add(b"near-max", 1))  # wraps in the middle of a run
+    c[9].sendall(proto.add(b"k3", 5))  # a new key...
+    c[10].sendall(wait(b"k3"))  # ...that a WAIT right behind it is released by
+    turns.turn(*c)
+    assert recv_exact(old_waiter, 1) == bytes([proto.STOP_WAITING])
+    assert [i64(recv_exact(c[i], 8)) for i in (0, 1, 3, 4, 6, 7, 8)] == [1, 2, 3, 3, 4, MAX_I64, -(1 << 63)]
+    assert i64(recv_exact(c[9], 8)) == 5
+    assert recv_exact(c[2], 1) == recv_exact(c[5], 1) == recv_exact(c[10], 1) == bytes([proto.STOP_WAITING])
+    assert (server.data[b"k1"], server.data[b"k2"], server.data[b"near-max"]) == (b"4", b"3", b"%d" % -(1 << 63))
+    assert not server.waiters
 
 
 def test_the_batch_path_takes_plain_add_and_wait_turns(batched):
@@ -384,9 +415,58 @@ def test_a_turn_of_many_clients_is_shared_by_threads_and_keeps_its_order(turns, 
 def test_fan_out_joins_the_slices_in_order():
     pool = FanOut(2)
     try:
-        items = list(range(10))
-        assert pool.map_parts(lambda part, arg: [x * y for x, y in zip(part, arg)], items, [3] * 10) == [x * 3 for x in items]
-        assert pool.map_parts(lambda part, arg: [a + b for a, b in zip(part, arg)], items, items) == [2 * x for x in items]
+        for n in (10, SLICE * 7 + 3):
+            items = list(range(n))
+            assert pool.map_parts(lambda part, arg: [x * y for x, y in zip(part, arg)], items, [3] * n) == [x * 3 for x in items]
+            assert pool.map_parts(lambda part, arg: [a + b for a, b in zip(part, arg)], items, items) == [2 * x for x in items]
+    finally:
+        pool.close()
+
+
+class _Stuck:
+    """A job that keeps a FanOut helper busy until ``gate`` is set."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def run(self):
+        self.started.set()
+        self.gate.wait(30)
+
+
+def test_fan_out_does_not_wait_for_a_helper_that_cannot_run():
+    """A helper that does not get a CPU (the clients have them) must not hold the loop
+    thread: it sends every slice itself."""
+    pool = FanOut(1)
+    stuck = _Stuck()
+    pool.jobs.put(stuck)
+    assert stuck.started.wait(5)
+    result = []
+    items = list(range(SLICE * 4))
+    loop = threading.Thread(target=lambda: result.append(
+        pool.map_parts(lambda part, arg: [x + 1 for x in part], items, items)), daemon=True)
+    try:
+        loop.start()
+        loop.join(5)
+        assert not loop.is_alive(), "map_parts waited for a helper that could not run"
+        assert result == [[x + 1 for x in items]]
+    finally:
+        stuck.gate.set()
+        pool.close()
+
+
+def test_fan_out_raises_what_a_slice_raised():
+    pool = FanOut(1)
+
+    def send(part, arg):
+        if SLICE in part:
+            raise ValueError("slice 2 failed")
+        return part
+
+    try:
+        with pytest.raises(ValueError, match="slice 2 failed"):
+            pool.map_parts(send, list(range(SLICE * 3)), [0] * (SLICE * 3))
     finally:
         pool.close()
 

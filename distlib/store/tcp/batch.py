@@ -20,9 +20,10 @@ Contract with server.py (what keeps the two paths one behaviour):
   ``frame_kind`` knows (ADD on any key but the worker counter, WAIT on one key). At the
   first one that is not, that event and every later one go through the general path, in
   order, with the bytes already received: requests keep their arrival order.
-* ADD runs through ``StoreServer._add_to`` (the stored value, wrap-around, waking
-  waiters); counters that are not plain decimal go to the general path, which owns the
-  parse errors. WAIT answers at once or registers through ``StoreServer._wait_for``, as
+* ADD does what ``StoreServer._add_to`` does (int64 wrap-around, the value stored as
+  decimal and waiters woken through ``StoreServer._store_counter``), for a run of ADDs on
+  one key as a running sum stored once, before anything else in the turn looks at it;
+  counters that are not plain decimal go to the general path, which owns the parse errors. WAIT answers at once or registers through ``StoreServer._wait_for``, as
   ``_op_wait`` does for one key.
 * Replies go where the general path puts them (``out``, then ``_flush`` at the end of the
   turn); ``_flush`` hands a large turn's single replies to ``send_replies`` and keeps
@@ -35,11 +36,13 @@ import queue
 import select
 import socket
 import threading
-from itertools import repeat
+from collections import deque
+from itertools import count, repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from ...cpus import usable_cpus
+from ..base import INT64_MAX, INT64_MIN, wrap_int64
 from .protocol import I64, STOP_WAITING, U64, WORKER_COUNTER_KEY, Op
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -148,10 +151,16 @@ class BatchPath:
 
         data = server.data
         wait_for = server._wait_for
+        store_counter = server._store_counter
         queues = server.queues
         known = self.frames.get
         dirty = server._dirty
         done = 0
+        # ADDs on one key (a barrier's arrivals, WAITs between them): a running sum, stored
+        # once, when an ADD on another key or the batch ends; each ADD's reply is the sum
+        # after it, as if each were stored.
+        counter_key = None
+        total = 0
         for conn, frame in zip(conns, results):
             kind = known(frame)
             if kind is None:
@@ -162,17 +171,31 @@ class BatchPath:
                     break
             op, key, delta = kind
             if op == _ADD:
-                old = data.get(key)
-                if old is not None and not (old.isdigit() and len(old) < 19):
-                    break  # not a plain decimal counter: _op_add parses (and rejects) it
-                conn.out.append(_pack_i64(server._add_to(key, delta, "ADD")))
+                if key != counter_key:
+                    if counter_key is not None:
+                        store_counter(counter_key, total)
+                        counter_key = None
+                    old = data.get(key)
+                    if old is None:
+                        total = 0
+                    elif old.isdigit() and len(old) < 19:
+                        total = int(old)
+                    else:
+                        break  # not a plain decimal counter: _op_add parses (and rejects) it
+                    counter_key = key
+                total += delta
+                if total > INT64_MAX or total < INT64_MIN:
+                    total = wrap_int64(total)
+                conn.out.append(_pack_i64(total))
                 dirty.append(conn)
             elif key in data or queues.get(key):
                 conn.out.append(_STOP)
                 dirty.append(conn)
-            else:
+            else:  # (on a counter not stored yet: the store at the end of the run wakes it)
                 wait_for(conn, [key])
             done += 1
+        if counter_key is not None:
+            store_counter(counter_key, total)
 
         for i in range(done, n):  # the rest, in order, through the general path
             conn = conns[i]
@@ -193,6 +216,8 @@ class BatchPath:
 
 #: A fan-out of at least this many replies is split across the threads (FanOut).
 PARALLEL_MIN = 256
+#: Sockets per slice of a fan-out: the unit of work a thread claims.
+SLICE = 128
 
 
 class FanOut:
@@ -201,14 +226,18 @@ class FanOut:
     Why: on loopback or a LAN, a send() costs the sender the receiver's side of TCP too,
     and the wake-up of the process waiting on the socket; releasing thousands of waiters is
     nothing but those sends, one CPU's worth, while the other CPUs idle. send() releases
-    the GIL, so k threads send k slices at once. The loop thread does the first slice
-    itself and waits for the others, so the turn goes on only when every slice is done, and
-    the results come back in socket order.
+    the GIL, so k threads send k slices at once.
+
+    The loop thread does not wait for a helper to start: every thread, the loop's included,
+    claims slices until none is left, and the loop thread waits only for slices a helper
+    has claimed and not finished. When the other CPUs are busy (the clients are running, as
+    while a barrier's ranks arrive), a helper may not run for a scheduler tick; the loop
+    thread then sends every slice itself instead of sitting idle behind it. Results come
+    back in socket order.
     """
 
     def __init__(self, helpers: int):
         self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.results: "queue.SimpleQueue" = queue.SimpleQueue()
         self.helpers = [threading.Thread(target=self._work, name=f"distlib-store-io-{i}", daemon=True)
                         for i in range(helpers)]
         for t in self.helpers:
@@ -216,29 +245,59 @@ class FanOut:
 
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
+            task = self.jobs.get()
+            if task is None:
                 return
-            index, fn, socks, arg = job
-            self.results.put((index, fn(socks, arg)))
+            task.run()
 
     def map_parts(self, fn, socks: List[socket.socket], args: list) -> list:
-        """``fn(slice of socks, the same slice of args)`` over len(helpers)+1 slices at
-        once; the slices' lists, joined in order."""
-        parts = len(self.helpers) + 1
-        step = -(-len(socks) // parts)
-        for k in range(1, parts):
-            self.jobs.put((k, fn, socks[k * step : (k + 1) * step], args[k * step : (k + 1) * step]))
-        out = [fn(socks[:step], args[:step])] + [[]] * (parts - 1)
-        for _ in range(1, parts):
-            k, part = self.results.get()
-            out[k] = part
-        return [x for part in out for x in part]
+        """``fn(slice of socks, the same slice of args)`` over slices of SLICE sockets, run
+        by whichever threads get to them; the slices' lists, joined in order."""
+        task = _Slices(fn, [(socks[k : k + SLICE], args[k : k + SLICE]) for k in range(0, len(socks), SLICE)])
+        for _ in self.helpers:
+            self.jobs.put(task)
+        task.run()
+        task.done.wait()
+        if task.error is not None:
+            raise task.error
+        return [x for part in task.results for x in part]
 
     def close(self) -> None:
         for _ in self.helpers:
             self.jobs.put(None)
 
+
+class _Slices:
+    """One fan-out: its slices, claimed one at a time by any thread (``deque.popleft`` and
+    ``next`` on a counter are atomic under the GIL); ``done`` is set by whoever finishes
+    the last one, or by a slice that raised."""
+
+    __slots__ = ("fn", "pending", "results", "finished", "count", "done", "error")
+
+    def __init__(self, fn, slices: list):
+        self.fn = fn
+        self.pending = deque(enumerate(slices))
+        self.results: list = [()] * len(slices)
+        self.finished = count(1)
+        self.count = len(slices)
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        claim, fn, results = self.pending.popleft, self.fn, self.results
+        while True:
+            try:
+                index, (socks, args) = claim()
+            except IndexError:
+                return
+            try:
+                results[index] = fn(socks, args)
+            except BaseException as exc:  # noqa: BLE001 - map_parts re-raises it in the loop thread
+                self.error = exc
+                self.done.set()
+                return
+            if next(self.finished) == self.count:
+                self.done.set()
 
 def _recv_part(socks: Sequence[socket.socket], size: int) -> list:
     """recv(size) on each socket in one C-level loop: per socket, the bytes; at the first

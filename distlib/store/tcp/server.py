@@ -90,7 +90,7 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 from ...cpus import usable_cpus
 from ...errors import DistNetworkError
-from ..base import parse_counter, wrap_int64
+from ..base import INT64_MAX, INT64_MIN, parse_counter, wrap_int64
 from . import batch, protocol
 from .connect import lookup_name
 from .protocol import (
@@ -349,8 +349,6 @@ def _runnable_tasks() -> Optional[int]:
         return None
 
 
-_MAX_I64 = (1 << 63) - 1
-_MIN_I64 = -(1 << 63)
 _u64_from = U64.unpack_from
 _u64_u64_from = struct.Struct("<QQ").unpack_from
 _i64_from = I64.unpack_from
@@ -775,13 +773,10 @@ class StoreServer:
         rest: List[Connection] = []
         for conn in dirty:
             out = conn.out
-            if not out:
-                continue  # listed twice this turn, or closed
             if len(out) == 1 and conn.pending is None:
                 conns.append(conn)
-                replies.append(out[0])
-                conn.out = []
-            else:
+                replies.append(out.pop())
+            elif out:  # (empty: listed twice this turn, or closed)
                 rest.append(conn)
         batch.send_replies(self, conns, replies)
         if self._dirty:  # what send_replies gave back
@@ -1015,7 +1010,7 @@ class StoreServer:
         old = data.get(key)
         if old is not None and old.isdigit() and len(old) < 19:  # the usual case, inline
             value = int(old) + _i64_from(buf, q)[0]
-            if value > _MAX_I64:
+            if value > INT64_MAX:
                 value = wrap_int64(value)
             data[key] = b"%d" % value
             if key in self.waiters:
@@ -1041,12 +1036,16 @@ class StoreServer:
                 value = parse_counter(old, describe_key(key)) + delta
             except (ValueError, IndexError) as exc:
                 raise _CloseConnection(f"{what} on key {describe_key(key)}: {exc}") from None
-        if value > _MAX_I64 or value < _MIN_I64:
+        if value > INT64_MAX or value < INT64_MIN:
             value = wrap_int64(value)
-        data[key] = b"%d" % value
+        self._store_counter(key, value)
+        return value
+
+    def _store_counter(self, key: bytes, value: int) -> None:
+        """Store ``value`` (an int64) at ``key`` as decimal ASCII; wake waiters on the key."""
+        self.data[key] = b"%d" % value
         if key in self.waiters:
             self._wake(key)
-        return value
 
     def _worker_joined(self, conn: Connection, value: int) -> None:
         if not conn.is_worker:
