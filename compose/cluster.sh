@@ -212,8 +212,8 @@ sortable_time() {
     printf '%s.%sZ' "$t" "${frac:0:9}"
 }
 
-# The containers among $@ (ids) that exited with a non-zero status, one per line, the root
-# cause first. A worker whose ranks failed because a peer died ("... died, was killed, or
+# The containers among $@ (ids) that exited with a non-zero status, one "id status" line each,
+# the root cause first. A worker whose ranks failed because a peer died ("... died, was killed, or
 # destroyed its process group", "(reported by rank K ...)") often exits before the one that
 # died, so those followers go last; then by exit time.
 failed_root_cause_first() {
@@ -229,8 +229,8 @@ failed_root_cause_first() {
         if grep -qE 'died, was killed, or destroyed its process group|\(reported by rank [0-9]+' <<<"$logs"; then
             follower=1
         fi
-        printf '%s %s %s\n' "$follower" "$(sortable_time "$(docker inspect -f '{{.State.FinishedAt}}' "$id" 2>/dev/null || true)")" "$id"
-    done | LC_ALL=C sort | cut -d' ' -f3
+        printf '%s %s %s %s\n' "$follower" "$(sortable_time "$(docker inspect -f '{{.State.FinishedAt}}' "$id" 2>/dev/null || true)")" "$id" "$code"
+    done | LC_ALL=C sort | cut -d' ' -f3,4
 }
 
 cmd_up() {
@@ -325,10 +325,9 @@ cmd_up() {
 
     # Which containers failed, the root cause first. The job's exit status is the root cause's.
     local id name code failed=() failed_ids=()
-    while read -r id; do
+    while read -r id code; do
         failed_ids+=("$id")
         name="$(docker inspect -f '{{.Name}}' "$id" 2>/dev/null | sed 's,^/,,')"
-        code="$(docker inspect -f '{{.State.ExitCode}}' "$id" 2>/dev/null || echo 1)"
         if [ "$status" = 0 ]; then
             status="$code"
             failed+=("$name exited with $code (the first failure)")

@@ -205,7 +205,8 @@ esac
 
 
 def failed_root_cause_first(tmp_path: Path, containers: Dict[str, tuple]) -> List[str]:
-    """compose/cluster.sh's failed_root_cause_first over fake containers {id: (exit, finished, log)}."""
+    """compose/cluster.sh's failed_root_cause_first over fake containers {id: (exit, finished, log)}:
+    the ids it lists, in its order."""
     bin_dir, data = tmp_path / "bin", tmp_path / "containers"
     bin_dir.mkdir()
     (bin_dir / "docker").write_text(FAKE_DOCKER)
@@ -219,7 +220,9 @@ def failed_root_cause_first(tmp_path: Path, containers: Dict[str, tuple]) -> Lis
     proc = subprocess.run(["bash", "-c", 'source "$1" && shift && failed_root_cause_first "$@"', "bash", str(CLUSTER), *containers],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split()
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert all(int(code) == containers[cid][0] for cid, code in lines), lines  # each with its status
+    return [cid for cid, _ in lines]
 
 
 def test_the_rank_that_died_is_named_before_the_ranks_that_saw_it_die(tmp_path):

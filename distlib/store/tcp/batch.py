@@ -272,19 +272,19 @@ class _Slices:
     ``next`` on a counter are atomic under the GIL); ``done`` is set by whoever finishes
     the last one, or by a slice that raised."""
 
-    __slots__ = ("fn", "pending", "results", "finished", "count", "done", "error")
+    __slots__ = ("fn", "pending", "results", "finished", "done", "error")
 
     def __init__(self, fn, slices: list):
         self.fn = fn
         self.pending = deque(enumerate(slices))
         self.results: list = [()] * len(slices)
         self.finished = count(1)
-        self.count = len(slices)
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
 
     def run(self) -> None:
         claim, fn, results = self.pending.popleft, self.fn, self.results
+        last = len(results)
         while True:
             try:
                 index, (socks, args) = claim()
@@ -296,8 +296,9 @@ class _Slices:
                 self.error = exc
                 self.done.set()
                 return
-            if next(self.finished) == self.count:
+            if next(self.finished) == last:
                 self.done.set()
+
 
 def _recv_part(socks: Sequence[socket.socket], size: int) -> list:
     """recv(size) on each socket in one C-level loop: per socket, the bytes; at the first
@@ -327,7 +328,7 @@ def send_replies(server: "StoreServer", conns: Sequence["Connection"], replies: 
     take whole (a full socket buffer, an error) goes back to that connection's ``out`` and
     onto ``server._dirty``, for ``_flush``'s general path."""
     socks = list(map(_sock_of, conns))
-    pool = server.batch.pool if server.batch is not None and len(socks) >= PARALLEL_MIN else None
+    pool = server.batch.pool if len(socks) >= PARALLEL_MIN else None
     if pool is not None:
         sent = pool.map_parts(_send_part, socks, replies)
     else:
