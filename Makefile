@@ -10,21 +10,23 @@ PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 
-.PHONY: help venv test test-unit test-interop demo image cluster-up cluster-down cluster-logs \
+.PHONY: help venv test test-unit test-interop demo image image-gpu cluster-up cluster-down cluster-logs \
         helm-lint helm-test bench-store bench-collectives clean
 
 help:
-	@echo "make cluster-up    build the image and run the 4-node Compose cluster job (NODES=8, MODE=tcp|rank0|file|nfs)"
+	@echo "make cluster-up    build the image and run the 4-node Compose cluster job (NODES=8, MODE=tcp|rank0|file|nfs|mpi, GPU=1,"
+	@echo "                   JOB=\"python my_train.py --epochs 3\": your own script, this directory mounted read-only)"
 	@echo "make test          create .venv, install distlib with its test extras, run the whole suite"
-	@echo "make test-interop  install torch 2.13 into .venv-interop and run the torch interoperability tests"
+	@echo "make test-interop  install torch 2.13 once into $(INTEROP_VENV) and run the torch interoperability tests"
 	@echo "make demo          a TCP master service and 4 local processes, no Docker needed"
 	@echo "make image         build the $(IMAGE) image (offline: a debootstrap base when no base image can be had)"
+	@echo "make image-gpu     build the $(CUDA_IMAGE) image: cupy, NVRTC and NCCL from wheels (the driver comes from the host)"
 	@echo "make helm-lint / helm-test   lint, render and validate the Helm chart; run what it renders"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test]'
+	$(VENV)/bin/pip install --quiet -e '.[test,mpi,cluster]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -36,18 +38,26 @@ test: venv
 test-unit: venv
 	$(PY) -m pytest -m "not containers" $(PYTEST_ARGS)
 
-# torch 2.13 is large (CUDA wheels): it lives in its own environment, never in .venv.
-.venv-interop/.installed: pyproject.toml
-	$(PYTHON) -m venv .venv-interop
-	.venv-interop/bin/pip install --quiet --upgrade pip
-	.venv-interop/bin/pip install --quiet 'torch==2.13.0' -e '.[test]'
+# torch 2.13 is large (about 5 GB with its CUDA wheels): it lives in its own environment outside
+# the clone, installed once and reused by every later run and clone. distlib is not installed
+# into it: the tests import this checkout through PYTHONPATH, so the environment never goes
+# stale. The marker is written last, so an interrupted install is redone.
+INTEROP_VENV ?= $(HOME)/.cache/distlib/torch-2.13
+INTEROP_PACKAGES := torch==2.13.0 numpy pytest pytest-timeout pyyaml cryptography
+# The marker names the package list, so a changed list reinstalls into the same environment.
+INTEROP_MARKER := $(INTEROP_VENV)/.installed-$(shell printf '%s' '$(INTEROP_PACKAGES)' | sha1sum | cut -c1-12)
+
+$(INTEROP_MARKER):
+	test -x $(INTEROP_VENV)/bin/python || $(PYTHON) -m venv $(INTEROP_VENV)
+	$(INTEROP_VENV)/bin/pip install --quiet --upgrade pip
+	$(INTEROP_VENV)/bin/pip install --quiet $(INTEROP_PACKAGES)
 	touch $@
 
-test-interop: .venv-interop/.installed
-	.venv-interop/bin/python -m pytest -m interop -p no:cacheprovider $(PYTEST_ARGS)
+test-interop: $(INTEROP_MARKER)
+	PYTHONPATH=$(CURDIR) $(INTEROP_VENV)/bin/python -m pytest -m interop -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: venv
-	$(PY) -m distlib.demo
+	$(PY) -m distlib.cli demo
 
 bench-store: venv
 	$(PY) -m distlib.cli bench store
@@ -58,14 +68,24 @@ bench-collectives: venv
 image:
 	IMAGE=$(IMAGE) docker/build-image.sh
 
-cluster-up:
-	IMAGE=$(IMAGE) NODES=$(NODES) MODE=$(MODE) compose/cluster.sh up
+# The GPU image (cupy, NVRTC, NCCL as wheels; the driver comes from the host): distlib:cuda, or
+# IMAGE when given on the command line or in the environment.
+CUDA_IMAGE := $(if $(filter file,$(origin IMAGE)),distlib:cuda,$(IMAGE))
+image-gpu:
+	IMAGE=$(CUDA_IMAGE) TARGET=cuda docker/build-image.sh
 
-cluster-down:
-	compose/cluster.sh down
+# distlib cluster (distlib/tools/cluster) reads the other variables from the environment:
+# GPU, NPROC_PER_NODE, SKIP_BUILD, JOB, JOB_DIR, JOB_ARGS, JOB_MODULE, NFS_SERVER, NFS_PATH, COMPOSE,
+# CLUSTER_TIMEOUT, CLUSTER_STATE_DIR, QUIET, RUN_ID (`make cluster-up JOB=...` passes them on).
+# IMAGE is passed on only when given: the default is distlib:cpu, or distlib:cuda with GPU=1.
+cluster-up: venv
+	$(if $(filter file,$(origin IMAGE)),,IMAGE=$(IMAGE)) NODES=$(NODES) MODE=$(MODE) $(PY) -m distlib.tools.cluster up
 
-cluster-logs:
-	compose/cluster.sh logs
+cluster-down: venv
+	$(PY) -m distlib.tools.cluster down
+
+cluster-logs: venv
+	$(PY) -m distlib.tools.cluster logs
 
 helm-lint: venv
 	$(PY) -m pytest tests/helm -k lint $(PYTEST_ARGS)
@@ -74,4 +94,4 @@ helm-test: venv
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-interop .build
+	rm -rf $(VENV) .build

@@ -1,61 +1,75 @@
-"""The ``distlib`` command: ``store-server``, ``bench``, ``run``.
+"""The ``distlib`` command: ``store-server``, ``run``, and the tools ``bench``, ``demo``, ``cluster``,
+``gpu-info``.
 
-Subcommands import what they need lazily, so ``distlib store-server --ping`` (a container
+``store-server`` (the master service) and ``run`` (the launcher) belong to the library; the
+tools live in ``distlib.tools`` and are imported only when their subcommand runs, as is
+everything else a subcommand needs, so ``distlib store-server --ping`` (a container
 healthcheck, run every few seconds) starts fast and does not import numpy.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
+import importlib
 import sys
 from typing import List, Optional
 
+from .settings import log_level
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+#: subcommand -> (module whose ``main(argv)`` runs it, one line of help)
+TOOLS = {
+    "bench": ("distlib.tools.bench", "benchmarks (store, collectives), side by side with torch"),
+    "demo": ("distlib.tools.demo", "a master service and 4 local processes that rendezvous through it (no Docker)"),
+    "cluster": ("distlib.tools.cluster", "the Compose cluster: up, down, logs, ps, report, config"),
+    "gpu-info": ("distlib.tools.gpu_info", "what the nccl backend finds here: cupy, CUDA, NCCL versions and the devices"),
+}
+#: What `distlib bench NAME` runs: NAME -> its module under distlib.tools.bench.
+BENCHMARKS = {"store": "store", "collectives": "collectives_cli"}
 
 
-def _parse_endpoint(text: str, default_port: int = 29500):
-    """``host:port``, ``[v6]:port`` or ``host`` → (host, port)."""
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    else:
-        host, port = text, ""
-    if not host:
-        raise argparse.ArgumentTypeError(f"no host in endpoint {text!r}")
-    try:
-        return host, int(port) if port else default_port
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad port in endpoint {text!r}") from None
+def _security(args: argparse.Namespace):
+    """The token and TLS files: the command line's, else the environment's (docs/security.md)."""
+    from . import auth, settings
+    from .store.tcp.security import StoreSecurity
+
+    cert, key, ca = settings.tls_files()
+    token = auth.token_from_file(args.auth_token_file) if args.auth_token_file else auth.configured_token()
+    sources = {name: f"--tls-{name}" for name in ("cert", "key", "ca") if getattr(args, f"tls_{name}")}
+    return StoreSecurity(token, args.tls_cert or cert, args.tls_key or key, args.tls_ca or ca, sources)
 
 
 def _store_server(args: argparse.Namespace) -> int:
+    from .tools import command
+
+    try:
+        security = _security(args)
+        if not args.ping:
+            security.server_tls  # load the certificate now: a bad file is a start-up error
+    except ValueError as exc:
+        print(f"distlib store-server: {exc}", file=sys.stderr)
+        return 2
     if args.ping:
-        return _ping(args.ping, args.timeout)
-    _setup_logging(args.log_level)
-    from .store.tcp.protocol import Limits
+        return command.run("distlib store-server", lambda: _ping(args.ping, args.timeout, security))
+    command.setup_logging(args.log_level)
+    from .store.tcp.codec import Limits
     from .store.tcp.server import serve
 
-    return serve(args.host, args.port, Limits(max_key=args.max_key_bytes, max_value=args.max_value_bytes))
+    return serve(args.host, args.port, Limits(max_key=args.max_key_bytes, max_value=args.max_value_bytes),
+                 security=security, memory_budget=args.memory_budget_mb * 1024 * 1024)
 
 
-def _ping(endpoint: str, timeout: float) -> int:
+def _ping(endpoint: str, timeout: float, security) -> int:
     """Exit 0 iff a store server at ``endpoint`` completes the handshake and a PING."""
     from .errors import DistError
     from .store.tcp.client import TCPStore
+    from .tools.command import ToolError, parse_endpoint
 
-    host, port = _parse_endpoint(endpoint)
     try:
-        store = TCPStore(host, port, timeout=timeout)
+        host, port = parse_endpoint(endpoint)
+    except ValueError as exc:
+        raise ToolError(f"--ping: {exc}", 2) from None
+    try:
+        store = TCPStore(host, port, timeout=timeout, security=security)
         rtt = store.ping()
         store.close()
     except (DistError, OSError, ValueError) as exc:
@@ -66,22 +80,29 @@ def _ping(endpoint: str, timeout: float) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
-    if args.what == "store":
-        from .bench.store import main as bench_store
+def _tool(name: str, rest: List[str], level: str) -> int:
+    """Hand the rest of the command line to the tool (imported now, not before)."""
+    from .tools import command
 
-        return bench_store(args.rest)
-    from .bench.collectives import main as bench_collectives
-
-    return bench_collectives(args.rest)
+    command.setup_logging(level)
+    module = TOOLS[name][0]
+    if name == "bench":
+        if not rest or rest[0] not in BENCHMARKS:
+            if rest and rest[0] in ("-h", "--help"):
+                print(f"usage: distlib bench {{{','.join(BENCHMARKS)}}} [options]; "
+                      f"distlib bench store --help for the options")
+                return 0
+            build_parser().error(f"bench: choose what to measure: {', '.join(BENCHMARKS)}")
+        module, rest = f"{module}.{BENCHMARKS[rest[0]]}", rest[1:]
+    return importlib.import_module(module).main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .store.tcp import protocol
+    from .store.tcp import codec
+    from .store.tcp.server import MEMORY_BUDGET
 
     parser = argparse.ArgumentParser(prog="distlib", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default=os.environ.get("DISTLIB_LOG_LEVEL", "INFO"),
+    parser.add_argument("--log-level", default=log_level(),
                         help="logging level (default INFO; env DISTLIB_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -91,39 +112,57 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the c10d TCPStore protocol for any number of jobs until SIGTERM. "
                     "Jobs keep apart by key prefix (distlib-run --run-id).",
     )
-    srv.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: all)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1: this host only; 0.0.0.0 or :: for every "
+                          "interface, as a master service for other hosts needs)")
     srv.add_argument("--port", type=int, default=29500, help="port (default 29500)")
-    srv.add_argument("--max-key-bytes", type=int, default=protocol.MAX_KEY_BYTES,
-                     help=f"longest key accepted (default {protocol.MAX_KEY_BYTES})")
-    srv.add_argument("--max-value-bytes", type=int, default=protocol.MAX_VALUE_BYTES,
-                     help=f"largest value accepted (default {protocol.MAX_VALUE_BYTES})")
+    srv.add_argument("--max-key-bytes", type=int, default=codec.MAX_KEY_BYTES,
+                     help=f"longest key accepted (default {codec.MAX_KEY_BYTES})")
+    srv.add_argument("--max-value-bytes", type=int, default=codec.MAX_VALUE_BYTES,
+                     help=f"largest value accepted (default {codec.MAX_VALUE_BYTES})")
+    srv.add_argument("--auth-token-file", metavar="PATH",
+                     help="require the token in this file from every client (default: DISTLIB_AUTH_TOKEN or "
+                          "DISTLIB_AUTH_TOKEN_FILE if set); with --ping, authenticate with it")
+    srv.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain) "
+                                                       "(default: DISTLIB_TLS_CERT)")
+    srv.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (default: DISTLIB_TLS_KEY)")
+    srv.add_argument("--tls-ca", metavar="PEM", help="with --ping: verify the server with this CA "
+                                                     "(default: DISTLIB_TLS_CA)")
+    srv.add_argument("--memory-budget-mb", type=int, default=MEMORY_BUDGET >> 20,
+                     help=f"what the server may hold for its clients (unsent replies, unfinished requests) "
+                          f"before it closes the connections holding the most (default {MEMORY_BUDGET >> 20})")
     srv.add_argument("--ping", metavar="HOST:PORT",
                      help="health check: exit 0 iff a server answers at HOST:PORT, then exit")
     srv.add_argument("--timeout", type=float, default=5.0, help="seconds --ping waits (default 5)")
     srv.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default INFO)")
     srv.set_defaults(func=_store_server)
 
-    bench = sub.add_parser("bench", help="benchmarks (store, collectives), side by side with torch")
-    bench.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default INFO)")
-    bench.add_argument("what", choices=["store", "collectives"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see --help after it)")
-    bench.set_defaults(func=_bench)
-
+    for name, (_, summary) in TOOLS.items():  # listed for --help; main() dispatches them
+        sub.add_parser(name, add_help=False, help=f"{summary} (distlib {name} --help)")
     sub.add_parser("run", add_help=False, help="the launcher (same as distlib-run; see distlib-run --help)")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # `distlib run` hands everything after "run" to the launcher untouched (argparse would
-    # take the launcher's own --flags for its own).
-    i = 0
+    # `distlib run` and the tools get everything after their name untouched (argparse would
+    # take their own --flags for the distlib command's).
+    i, level = 0, log_level()
     while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-h", "--help"):
-        i += 2 if argv[i] == "--log-level" else 1
+        if argv[i] == "--log-level" and i + 1 < len(argv):
+            level = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--log-level="):
+            level = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            i += 1
     if i < len(argv) and argv[i] == "run":
         from .run import main as run_main
 
         return run_main(argv[i + 1:])
+    if i < len(argv) and argv[i] in TOOLS:
+        return _tool(argv[i], argv[i + 1:], level)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

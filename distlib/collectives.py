@@ -3,8 +3,11 @@
 Each function checks its arguments before anything is sent (contiguity, dtype, list lengths,
 ranks in range, sizes that must agree on this rank, reduce op vs dtype), maps global ranks to
 group ranks, and runs the backend's operation in the group's order. ``async_op=True`` returns
-a ``Work``. In place where torch works in place. A rank outside ``group`` gets a warning and
-None, as in torch. What cannot be checked locally (another rank passing a different shape,
+a ``Work``. The array's device picks the backend (a "cpu:gloo,cuda:nccl" group sends numpy
+arrays to gloo and cupy arrays to nccl); a stream-ordered backend (nccl) enqueues at once, in
+the caller's thread, and a synchronous call leaves the caller's stream waiting for it. In
+place where torch works in place. A rank outside ``group`` gets a warning and None, as in
+torch. What cannot be checked locally (another rank passing a different shape,
 dtype or collective) is detected from the frames and raised on every rank.
 """
 
@@ -15,7 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .arrays import check_array, check_array_list, device_of, same_dtype
+from .arrays import check_array, check_array_list, check_one_device, same_dtype
 from .backends.base import CommBackend, RecvHandle
 from .distributed import _resolve, warn_not_in_group
 from .errors import DistBackendError
@@ -24,12 +27,22 @@ from .reduce_op import ReduceOp, as_reduce_op, check_op_for_dtype
 from .work import Future, Work
 
 
-def _run(pg: ProcessGroup, op_name: str, fn: Callable[[], None], async_op: bool,
-         result: Optional[List[Any]] = None) -> Optional[Work]:
+def _run(pg: ProcessGroup, op_name: str, async_op: bool, result: Optional[List[Any]],
+         fn: Callable[..., Any], *args: Any) -> Optional[Work]:
+    """``fn(*args)`` (a backend's bound method) in the group's order: inline for a sync call
+    (no Work, no closure), a queued Work for an async one. A stream-ordered backend (nccl)
+    enqueues on its device stream and returns the operation's Work at once: a sync call then
+    makes the caller's stream wait, not the host (torch's semantics)."""
+    if fn.__self__.stream_ordered:
+        work = fn(*args)
+        if async_op:
+            return work
+        work.wait()
+        return None
     if async_op:
         work = Work(op_name, result)
-        return pg.executor.submit(work, lambda: fn() or result)
-    pg.executor.run(op_name, fn)
+        return pg.executor.submit(work, lambda: fn(*args) or result)
+    pg.executor.run(op_name, fn, *args)
     return None
 
 
@@ -50,8 +63,26 @@ def _peer(pg: ProcessGroup, rank: Optional[int], group_rank: Optional[int], what
     return pg.group_rank_of(int(rank))
 
 
-def _backend(pg: ProcessGroup, array) -> CommBackend:
-    return pg.backend_for(device_of(array))
+def _backend(pg: ProcessGroup, array, *others) -> CommBackend:
+    """The backend for the device of the operation's arrays (all on one kind), wrapped to stage
+    device arrays through host memory where it does (gloo and mpi with cupy arrays)."""
+    if type(array) is np.ndarray and not others:  # the common case: no device lookup, no staging
+        backend = pg.backends.get("cpu")
+        if backend is not None:
+            return backend
+    return pg.backend_for(check_one_device(array, *others)).for_array(array)
+
+
+#: (reduce op, dtype) pairs already checked: the check's dtype introspection costs about as
+#: much as a whole small all_reduce through shared memory.
+_VALID_OPS: set = set()
+
+
+def _check_op(op: ReduceOp, dtype: np.dtype, what: str) -> None:
+    key = (op.op, dtype)
+    if key not in _VALID_OPS:
+        check_op_for_dtype(op, dtype, what)
+        _VALID_OPS.add(key)
 
 
 # -- collectives ----------------------------------------------------------------------------------
@@ -65,7 +96,7 @@ def broadcast(tensor, src: Optional[int] = None, group=None, async_op: bool = Fa
     root = _peer(pg, src, group_src, "src")
     array = check_array(tensor, "tensor", writable=pg.rank() != root)
     backend = _backend(pg, array)
-    return _run(pg, "broadcast", lambda: backend.broadcast(array, root), async_op, [array])
+    return _run(pg, "broadcast", async_op, [array], backend.broadcast, array, root)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
@@ -74,9 +105,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
         return warn_not_in_group("all_reduce")
     array = check_array(tensor, "tensor", writable=True)
     op = as_reduce_op(op)
-    check_op_for_dtype(op, array.dtype, "tensor")
+    _check_op(op, array.dtype, "tensor")
     backend = _backend(pg, array)
-    return _run(pg, "all_reduce", lambda: backend.all_reduce(array, op), async_op, [array])
+    return _run(pg, "all_reduce", async_op, [array], backend.all_reduce, array, op)
 
 
 def reduce(tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -87,9 +118,9 @@ def reduce(tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None, async
     root = _peer(pg, dst, group_dst, "dst")
     array = check_array(tensor, "tensor", writable=pg.rank() == root)
     op = as_reduce_op(op)
-    check_op_for_dtype(op, array.dtype, "tensor")
+    _check_op(op, array.dtype, "tensor")
     backend = _backend(pg, array)
-    return _run(pg, "reduce", lambda: backend.reduce(array, root, op), async_op, [array])
+    return _run(pg, "reduce", async_op, [array], backend.reduce, array, root, op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
@@ -103,8 +134,8 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
         if out.size != array.size:
             raise ValueError(f"tensor_list[{i}] has {out.size} elements but tensor has {array.size}: "
                              f"each output must be the size of the input")
-    backend = _backend(pg, array)
-    return _run(pg, "all_gather", lambda: backend.all_gather(outputs, array), async_op, list(outputs))
+    backend = _backend(pg, array, outputs)
+    return _run(pg, "all_gather", async_op, list(outputs), backend.all_gather, outputs, array)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False):
@@ -118,8 +149,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     if output.size != array.size * pg.size():
         raise ValueError(f"output_tensor has {output.size} elements; it must have world_size x input "
                          f"= {pg.size()} x {array.size} = {pg.size() * array.size}")
-    backend = _backend(pg, array)
-    return _run(pg, "all_gather_into_tensor", lambda: backend.all_gather_into(output, array), async_op, [output])
+    backend = _backend(pg, array, output)
+    return _run(pg, "all_gather_into_tensor", async_op, [output], backend.all_gather_into, output, array)
 
 
 def gather(tensor, gather_list=None, dst: Optional[int] = None, group=None, async_op: bool = False,
@@ -142,9 +173,8 @@ def gather(tensor, gather_list=None, dst: Optional[int] = None, group=None, asyn
         if gather_list:
             raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
         outputs = None
-    backend = _backend(pg, array)
-    return _run(pg, "gather", lambda: backend.gather(outputs, array, root), async_op,
-                list(outputs) if outputs else [])
+    backend = _backend(pg, array, outputs)
+    return _run(pg, "gather", async_op, list(outputs) if outputs else [], backend.gather, outputs, array, root)
 
 
 def scatter(tensor, scatter_list=None, src: Optional[int] = None, group=None, async_op: bool = False,
@@ -167,8 +197,8 @@ def scatter(tensor, scatter_list=None, src: Optional[int] = None, group=None, as
         if scatter_list:
             raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
         inputs = None
-    backend = _backend(pg, output)
-    return _run(pg, "scatter", lambda: backend.scatter(output, inputs, root), async_op, [output])
+    backend = _backend(pg, output, inputs)
+    return _run(pg, "scatter", async_op, [output], backend.scatter, output, inputs, root)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False):
@@ -182,9 +212,9 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
         if item.size != out.size:
             raise ValueError(f"input_list[{i}] has {item.size} elements but output has {out.size}")
     op = as_reduce_op(op)
-    check_op_for_dtype(op, out.dtype, "output")
-    backend = _backend(pg, out)
-    return _run(pg, "reduce_scatter", lambda: backend.reduce_scatter(out, inputs, op), async_op, [out])
+    _check_op(op, out.dtype, "output")
+    backend = _backend(pg, out, inputs)
+    return _run(pg, "reduce_scatter", async_op, [out], backend.reduce_scatter, out, inputs, op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False):  # noqa: A002
@@ -199,9 +229,9 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
         raise ValueError(f"input has {array.size} elements; it must have world_size x output "
                          f"= {pg.size()} x {out.size} = {pg.size() * out.size}")
     op = as_reduce_op(op)
-    check_op_for_dtype(op, out.dtype, "output")
-    backend = _backend(pg, out)
-    return _run(pg, "reduce_scatter_tensor", lambda: backend.reduce_scatter_into(out, array, op), async_op, [out])
+    _check_op(op, out.dtype, "output")
+    backend = _backend(pg, out, array)
+    return _run(pg, "reduce_scatter_tensor", async_op, [out], backend.reduce_scatter_into, out, array, op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
@@ -216,8 +246,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     if outputs[me].size != inputs[me].size:
         raise ValueError(f"output_tensor_list[{me}] ({outputs[me].size} elements) must match "
                          f"input_tensor_list[{me}] ({inputs[me].size}): this rank sends that one to itself")
-    backend = _backend(pg, inputs[0])
-    return _run(pg, "all_to_all", lambda: backend.all_to_all(outputs, inputs), async_op, list(outputs))
+    backend = _backend(pg, inputs[0], inputs, outputs)
+    return _run(pg, "all_to_all", async_op, list(outputs), backend.all_to_all, outputs, inputs)
 
 
 def _splits(splits: Optional[Sequence[int]], rows: int, size: int, name: str) -> List[int]:
@@ -253,9 +283,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if out_splits[me] != in_splits[me]:
         raise ValueError(f"output_split_sizes[{me}]={out_splits[me]} must equal input_split_sizes[{me}]="
                          f"{in_splits[me]}: this rank sends that block to itself")
-    backend = _backend(pg, array)
-    return _run(pg, "all_to_all_single",
-                lambda: backend.all_to_all_single(out, array, out_splits, in_splits), async_op, [out])
+    backend = _backend(pg, array, out)
+    return _run(pg, "all_to_all_single", async_op, [out], backend.all_to_all_single, out, array, out_splits,
+                in_splits)
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None):
@@ -263,7 +293,9 @@ def barrier(group=None, async_op: bool = False, device_ids=None):
     if pg is None:
         return warn_not_in_group("barrier")
     backend = pg.backend_for("cpu") if "cpu" in pg.backends else next(iter(pg.backends.values()))
-    return _run(pg, "barrier", backend.barrier, async_op)
+    if backend.stream_ordered:  # nccl: an all_reduce on device_ids[0], else on the group's device
+        return _run(pg, "barrier", async_op, None, backend.barrier, device_ids)
+    return _run(pg, "barrier", async_op, None, backend.barrier)
 
 
 def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False):
@@ -273,7 +305,7 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
         return warn_not_in_group("monitored_barrier")
     timeout = timeout if timeout is not None else pg.timeout
     backend = pg.backend_for("cpu")
-    return _run(pg, "monitored_barrier", lambda: backend.monitored_barrier(timeout, wait_all_ranks), False)
+    return _run(pg, "monitored_barrier", False, None, backend.monitored_barrier, timeout, wait_all_ranks)
 
 
 # -- point to point -------------------------------------------------------------------------------
@@ -301,14 +333,18 @@ def isend(tensor, dst: Optional[int] = None, group=None, tag: int = 0, group_dst
         raise ValueError("Invalid destination rank: can't send to self")
     array, tag = _p2p_args(tensor, tag, writable=False)
     backend = _backend(pg, array)
-    return _run(pg, "send", lambda: backend.send(array, peer, tag), True, [array])
+    handle = backend.post_send(array, peer, tag)
+    if handle is not None:
+        return _RecvWork(pg, handle, array, "send")
+    return _run(pg, "send", True, [array], backend.send, array, peer, tag)
 
 
 class _RecvWork(Work):
-    """An irecv: posted when issued, complete when the data has arrived."""
+    """An irecv (or a backend's posted send): started when issued, complete when the data has
+    arrived (left)."""
 
-    def __init__(self, pg: ProcessGroup, handle: RecvHandle, array):
-        super().__init__("recv", [array])
+    def __init__(self, pg: ProcessGroup, handle: RecvHandle, array, op_name: str = "recv"):
+        super().__init__(op_name, [array])
         self._pg, self._handle = pg, handle
         self.source: Optional[int] = None
 
@@ -378,10 +414,39 @@ class P2POp:
         return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
 
 
+def _batch_on_stream(p2p_op_list: List[P2POp]) -> Optional[List[Work]]:
+    """cupy arrays on a stream-ordered backend (nccl): every op in one NCCL group, one Work
+    (torch returns one coalesced Work too); None when the batch is not such a batch."""
+    first = p2p_op_list[0]
+    pg = _resolve(first.group)
+    if pg is None or check_one_device(first.tensor, [p.tensor for p in p2p_op_list]) != "cuda":
+        return None
+    backend = pg.backend_for("cuda")
+    if not backend.stream_ordered:
+        return None
+    items = []
+    for p in p2p_op_list:
+        receiving = p.op is irecv
+        peer = _peer(pg, p.peer, p.group_peer, "src" if receiving else "dst")
+        if peer == pg.rank():
+            raise ValueError(f"Invalid {'source' if receiving else 'destination'} rank: can't "
+                             f"{'receive from' if receiving else 'send to'} self")
+        array, _ = _p2p_args(p.tensor, p.tag, writable=receiving)
+        items.append((not receiving, array, peer))
+    return [backend.batch_p2p(items)]
+
+
 def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
-    """Post every receive first, then start every send; returns the Works in list order."""
+    """Post every receive first, then start every send; returns the Works in list order (on
+    the nccl backend: one NCCL group and one Work, as torch)."""
     if not isinstance(p2p_op_list, list) or not all(isinstance(p, P2POp) for p in p2p_op_list):
         raise ValueError("Invalid ``p2p_op_list``. Each op is expected to to be of type ``distlib.P2POp``.")
+    if p2p_op_list and not all(p.group is p2p_op_list[0].group for p in p2p_op_list):
+        raise ValueError("All ops need to use the same group.")
+    if p2p_op_list:
+        coalesced = _batch_on_stream(p2p_op_list)
+        if coalesced is not None:
+            return coalesced
     works: List[Optional[Work]] = [None] * len(p2p_op_list)
     order = [i for i, p in enumerate(p2p_op_list) if p.op is irecv] + \
             [i for i, p in enumerate(p2p_op_list) if p.op is isend]

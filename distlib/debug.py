@@ -11,17 +11,10 @@ prefixes each line with the rank is added.
 from __future__ import annotations
 
 import logging
-import os
+
+from .settings import debug_level
 
 LEVELS = {"OFF": logging.WARNING, "INFO": logging.INFO, "DETAIL": logging.DEBUG}
-
-
-def debug_level() -> str:
-    value = os.environ.get("DISTLIB_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG") or "OFF"
-    level = value.strip().upper()
-    if level not in LEVELS:
-        raise RuntimeError(f"The value of DISTLIB_DEBUG must be one of OFF, INFO, DETAIL, but got {value!r}")
-    return level
 
 
 def configure(rank: int) -> None:

@@ -14,7 +14,9 @@ import warnings
 from datetime import timedelta
 from typing import Dict, List, Optional
 
+from .backends import cupy_env
 from .backends.base import CommBackend
+from .backends.nccl_devices import parse_device_id
 from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
 from .errors import DistBackendError
@@ -40,13 +42,16 @@ def is_gloo_available() -> bool:
 
 
 def is_nccl_available() -> bool:
-    """False: distlib's nccl backend (cupy) is not implemented yet."""
-    return False
+    """True where cupy imports and its NCCL library loads (a device is checked at init, as
+    torch's is True for a CUDA build on a machine without a GPU)."""
+    return cupy_env.status().nccl_loads
 
 
 def is_mpi_available() -> bool:
-    """False: distlib's mpi backend is not implemented yet."""
-    return False
+    """Whether mpi4py imports and loads an MPI library (it does not initialise MPI)."""
+    from .backends import mpi_runtime
+
+    return mpi_runtime.available()
 
 
 def is_ucc_available() -> bool:
@@ -57,6 +62,10 @@ def is_backend_available(backend: str) -> bool:
     name = Backend(backend)
     if name == Backend.GLOO:
         return True
+    if name == Backend.MPI:
+        return is_mpi_available()
+    if name == Backend.NCCL:
+        return is_nccl_available()
     return name.upper() in Backend._plugins
 
 
@@ -69,18 +78,35 @@ def is_torchelastic_launched() -> bool:
 
 
 def _available_devices() -> List[str]:
-    return ["cpu"]
+    """What ``backend=None`` maps: cpu, and cuda where a GPU can run NCCL (torch 2.x's
+    "cpu:gloo,cuda:nccl")."""
+    return ["cpu", "cuda"] if cupy_env.status().usable else ["cpu"]
+
+
+def _config_for(backend: Optional[str]) -> Dict[str, str]:
+    """device -> backend name; the devices are probed only for ``backend=None``."""
+    if backend is None:
+        return backend_config(Backend.UNDEFINED, _available_devices())
+    return backend_config(Backend(backend), ["cpu"])
 
 
 # -- creating backends ----------------------------------------------------------------------------
 
 
 def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, label: str,
-                    group_name: str, global_ranks: List[int], pg_options) -> CommBackend:
+                    group_name: str, global_ranks: List[int], pg_options, device_id=None) -> CommBackend:
     if name == Backend.GLOO:
         from .backends.gloo import GlooBackend
 
-        return GlooBackend(store, rank, size, timeout, label=label)
+        return GlooBackend(_needs_store(store, name), rank, size, timeout, label=label)
+    if name == Backend.MPI:
+        from .backends.mpi import MPIBackend
+
+        return MPIBackend(rank, size, timeout, global_ranks, label=label)
+    if name == Backend.NCCL:
+        from .backends.nccl import NcclBackend
+
+        return NcclBackend(_needs_store(store, name), rank, size, timeout, label=label, device_id=device_id)
     plugin = Backend._plugins.get(name.upper())
     if plugin is not None:
         if plugin.extended_api:
@@ -90,22 +116,38 @@ def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, 
                                       group_id=group_name, global_ranks_in_group=global_ranks)
             backend = plugin.creator_fn(options, pg_options)
         else:
-            backend = plugin.creator_fn(store, rank, size, timeout)
+            backend = plugin.creator_fn(_needs_store(store, name), rank, size, timeout)
         if not isinstance(backend, CommBackend):
             raise TypeError(f"the creator of backend {name!r} returned {type(backend).__name__}, "
                             f"not a distlib.CommBackend")
         return backend
-    if name in (Backend.NCCL, Backend.MPI, Backend.UCC, Backend.XCCL):
+    if name in (Backend.UCC, Backend.XCCL):
         raise RuntimeError(
             f"backend {name!r} is not available in distlib yet (is_{name}_available() is False); "
             f"use 'gloo' for numpy arrays")
     raise AssertionError(f"Unknown c10d backend type {name.upper()}")
 
 
+def _needs_store(store, name: str):
+    if store is None:
+        raise ValueError(f"backend {name!r} needs a store, but the default process group was initialised with the "
+                         f"mpi backend, which has none: use backend='mpi' for this group too")
+    return store
+
+
+def _prefixed(prefix: str, store):
+    """``PrefixStore(prefix, store)``; None stays None (the mpi backend's groups have no store)."""
+    return None if store is None else PrefixStore(prefix, store)
+
+
+def _only_mpi(config: Dict[str, str]) -> bool:
+    return bool(config) and all(b == Backend.MPI for b in config.values())
+
+
 def _new_process_group(name: str, global_ranks: List[int], group_rank: int, store, config: Dict[str, str],
-                       timeout: timedelta, pg_options) -> ProcessGroup:
+                       timeout: timedelta, pg_options, device_id: Optional[int] = None) -> ProcessGroup:
     """Create the backends of one group (the group's store is ``store/<name>/``)."""
-    group_store = PrefixStore(name + "/", store)
+    group_store = _prefixed(name + "/", store)
     size = len(global_ranks)
     backends: Dict[str, CommBackend] = {}
     names = set(config.values())
@@ -113,21 +155,24 @@ def _new_process_group(name: str, global_ranks: List[int], group_rank: int, stor
     try:
         if len(names) == 1:
             device, backend_name = next(iter(config.items()))
-            backend = _create_backend(backend_name, PrefixStore(device + "/", group_store), group_rank, size,
-                                      timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options)
+            backend = _create_backend(backend_name, _prefixed(device + "/", group_store), group_rank, size,
+                                      timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options, device_id)
             created.append(backend)
             backends = {d: backend for d in config}
         else:
             for device, backend_name in config.items():
-                backend = _create_backend(backend_name, PrefixStore(device + "/", group_store), group_rank, size,
-                                          timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options)
+                backend = _create_backend(backend_name, _prefixed(device + "/", group_store), group_rank, size,
+                                          timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options,
+                                          device_id)
                 created.append(backend)
                 backends[device] = backend
     except BaseException:
         for backend in created:
             backend.shutdown()
         raise
-    return ProcessGroup(name, global_ranks, group_rank, group_store, config_string(config), backends, timeout)
+    pg = ProcessGroup(name, global_ranks, group_rank, group_store, config_string(config), backends, timeout)
+    pg.bound_device_id = device_id
+    return pg
 
 
 def _default_timeout(config: Dict[str, str]) -> timedelta:
@@ -155,7 +200,10 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
 
     Blocks until every rank has joined (logging progress every few seconds); on timeout the
     error names the ranks that never arrived. ``init_method`` and ``store`` are mutually
-    exclusive; with neither, ``env://``. ``backend`` None picks by device (cpu → gloo).
+    exclusive; with neither, ``env://``. ``backend`` None picks by device: gloo for cpu, and
+    nccl for cuda where a GPU can run it ("cpu:gloo,cuda:nccl"), or nccl alone with a cuda
+    ``device_id``. ``device_id`` (an int, "cuda:N" or a cupy Device) binds the group to that GPU
+    and makes the NCCL communicator now rather than at the first collective.
     To rendezvous through a standing ``distlib store-server`` rather than a store hosted by
     rank 0, set ``TORCHELASTIC_USE_AGENT_STORE=True`` or ``DISTLIB_EXTERNAL_STORE=1`` (or add
     ``external_store=1`` to a tcp:// URL); see rendezvous.py.
@@ -172,21 +220,27 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                 raise ValueError("rank must be non-negative if using store")
         elif init_method is None:
             init_method = "env://"
-        if device_id is not None and not isinstance(device_id, int) and str(device_id) != "cpu":
-            raise ValueError(f"device_id {device_id!r}: distlib has CPU devices only here")
-        config = backend_config(Backend(backend) if backend is not None else Backend.UNDEFINED,
-                                _available_devices())
+        device_id = parse_device_id(device_id)
+        if backend is None and device_id is not None:
+            backend = Backend.NCCL  # torch: the default backend of the device's type
+        config = _config_for(backend)
         if timeout is None:
             timeout = _default_timeout(config)
         if not isinstance(timeout, timedelta):
             raise TypeError(f"Expected timeout argument to be of type datetime.timedelta, got {timeout}")
         from .debug import configure as configure_logging
 
+        if _only_mpi(config):  # as torch: no rendezvous, no store; MPI says who is who
+            from .backends import mpi_runtime
+
+            rank, world_size = mpi_runtime.world_rank_and_size(rank, world_size)
         configure_logging(rank if rank >= 0 else int(os.environ.get("RANK", "-1") or -1))
         name = str(world.group_count)
         world.group_count += 1
         started = time.monotonic()
-        if store is None:
+        if _only_mpi(config):
+            store, owns_store = None, False
+        elif store is None:
             store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout,
                                                       wait_for_workers=False))
             store.set_timeout(timeout)
@@ -195,7 +249,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         else:
             owns_store = False
         try:
-            pg = _new_process_group(name, list(range(world_size)), rank, store, config, timeout, pg_options)
+            pg = _new_process_group(name, list(range(world_size)), rank, store, config, timeout, pg_options,
+                                    device_id)
         except BaseException:
             if owns_store:
                 _close_store(store)
@@ -290,10 +345,11 @@ def new_group(ranks: Optional[List[int]] = None, timeout: Optional[timedelta] = 
                 return NON_GROUP_MEMBER
         if name in world.groups:
             raise ValueError("The specified group name has already been created, please use a different group name")
-        config = (backend_config(Backend(backend), _available_devices()) if backend is not None
-                  else dict(world.backend_config))
+        config = _config_for(backend) if backend is not None else dict(world.backend_config)
         timeout = timeout if timeout is not None else default.timeout
-        pg = _new_process_group(name, ranks, ranks.index(me), world.default_store, config, timeout, pg_options)
+        device_id = parse_device_id(device_id) if device_id is not None else default.bound_device_id
+        pg = _new_process_group(name, ranks, ranks.index(me), world.default_store, config, timeout, pg_options,
+                                device_id)
         world.groups[name] = pg
         return pg
 

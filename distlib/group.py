@@ -3,7 +3,7 @@ process-wide state (the default group WORLD, the registry of groups, the name co
 
 Group names follow torch: "0" for the default group, then "1", "2", ... for each new_group
 every rank creates in the same order; the name is what makes the ranks' store keys meet
-(``default_pg/<name>//<device>//...``, as torch's own layout, ../shared/spec/c10d-rendezvous.md §5).
+(``default_pg/<name>//<device>//...``, as torch's own layout, docs/torch-rules.md §3).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from .work import OrderedExecutor
 
 class ProcessGroup:
     """A set of ranks that run collectives together (torch.distributed.ProcessGroup)."""
+
+    #: The GPU init_process_group(device_id=...) or new_group(device_id=...) bound it to.
+    bound_device_id: Optional[int] = None
 
     def __init__(self, name: str, global_ranks: List[int], group_rank: int, store, backend_name: str,
                  backends: Dict[str, CommBackend], timeout: timedelta):

@@ -4,6 +4,10 @@ gather_object, scatter_object_list.
 As in torch: objects are pickled into uint8 arrays, their sizes are exchanged first, and the
 bytes travel as ordinary array collectives. Unpickling runs code chosen by the sender: use
 these only between ranks that trust each other (torch's warning, repeated).
+
+Where the bytes live follows torch's rule: a group with a CPU backend (gloo, or
+"cpu:gloo,cuda:nccl") uses host memory; a GPU-only group (nccl) uses arrays on its device,
+which the backend provides (``object_arrays()``), and copies the results back to the host.
 """
 
 from __future__ import annotations
@@ -15,6 +19,25 @@ import numpy as np
 
 from . import collectives as C
 from .distributed import _resolve, warn_not_in_group
+
+
+class _HostArrays:
+    """numpy arrays: put and get are the identity."""
+
+    @staticmethod
+    def put(host: np.ndarray) -> np.ndarray:
+        return host
+
+    @staticmethod
+    def get(array: np.ndarray) -> np.ndarray:
+        return array
+
+
+def _arrays_for(pg):
+    if "cpu" in pg.backends:
+        return _HostArrays
+    device_arrays = getattr(next(iter(pg.backends.values())), "object_arrays", None)
+    return device_arrays() if device_arrays is not None else _HostArrays
 
 
 def _to_array(obj: Any) -> np.ndarray:
@@ -32,6 +55,7 @@ def broadcast_object_list(object_list: List[Any], src: Optional[int] = None, gro
     if pg is None:
         return warn_not_in_group("broadcast_object_list")
     root = C._peer(pg, src, group_src, "src")
+    kit = _arrays_for(pg)
     count = len(object_list)
     if pg.rank() == root:
         arrays = [_to_array(obj) for obj in object_list]
@@ -39,9 +63,13 @@ def broadcast_object_list(object_list: List[Any], src: Optional[int] = None, gro
     else:
         arrays = []
         sizes = np.zeros(count, dtype=np.int64)
-    C.broadcast(sizes, group_src=root, group=group)
+    sizes_here = kit.put(sizes)
+    C.broadcast(sizes_here, group_src=root, group=group)
+    sizes = kit.get(sizes_here)
     payload = np.concatenate(arrays) if pg.rank() == root and arrays else np.empty(int(sizes.sum()), np.uint8)
-    C.broadcast(payload, group_src=root, group=group)
+    payload_here = kit.put(payload)
+    C.broadcast(payload_here, group_src=root, group=group)
+    payload = kit.get(payload_here)
     if pg.rank() != root:
         offset = 0
         for i, size in enumerate(sizes.tolist()):
@@ -49,10 +77,10 @@ def broadcast_object_list(object_list: List[Any], src: Optional[int] = None, gro
             offset += size
 
 
-def _gathered_sizes(pg, group, mine: np.ndarray) -> np.ndarray:
-    sizes = np.zeros(pg.size(), dtype=np.int64)
-    C.all_gather_into_tensor(sizes, np.array([mine.size], dtype=np.int64), group=group)
-    return sizes
+def _gathered_sizes(pg, group, kit, mine: np.ndarray) -> np.ndarray:
+    sizes = kit.put(np.zeros(pg.size(), dtype=np.int64))
+    C.all_gather_into_tensor(sizes, kit.put(np.array([mine.size], dtype=np.int64)), group=group)
+    return kit.get(sizes)
 
 
 def all_gather_object(object_list: List[Any], obj: Any, group=None) -> None:
@@ -62,13 +90,15 @@ def all_gather_object(object_list: List[Any], obj: Any, group=None) -> None:
         return warn_not_in_group("all_gather_object")
     if len(object_list) != pg.size():
         raise ValueError(f"object_list has {len(object_list)} items but the group has {pg.size()} ranks")
+    kit = _arrays_for(pg)
     mine = _to_array(obj)
-    sizes = _gathered_sizes(pg, group, mine)
+    sizes = _gathered_sizes(pg, group, kit, mine)
     longest = int(sizes.max())
     padded = np.zeros(longest, np.uint8)
     padded[: mine.size] = mine
-    everything = np.empty(longest * pg.size(), np.uint8)
-    C.all_gather_into_tensor(everything, padded, group=group)
+    everything = kit.put(np.empty(longest * pg.size(), np.uint8))
+    C.all_gather_into_tensor(everything, kit.put(padded), group=group)
+    everything = kit.get(everything)
     for k in range(pg.size()):
         object_list[k] = _from_array(everything[k * longest:(k + 1) * longest], int(sizes[k]))
 
@@ -83,16 +113,17 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
     root = 0 if root is None else root
     if pg.rank() == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
         raise ValueError(f"object_gather_list must be a list of {pg.size()} items on the destination rank")
+    kit = _arrays_for(pg)
     mine = _to_array(obj)
-    sizes = _gathered_sizes(pg, group, mine)
+    sizes = _gathered_sizes(pg, group, kit, mine)
     longest = int(sizes.max())
     padded = np.zeros(longest, np.uint8)
     padded[: mine.size] = mine
-    outputs = [np.empty(longest, np.uint8) for _ in range(pg.size())] if pg.rank() == root else None
-    C.gather(padded, outputs, group_dst=root, group=group)
+    outputs = [kit.put(np.empty(longest, np.uint8)) for _ in range(pg.size())] if pg.rank() == root else None
+    C.gather(kit.put(padded), outputs, group_dst=root, group=group)
     if pg.rank() == root:
         for k in range(pg.size()):
-            object_gather_list[k] = _from_array(outputs[k], int(sizes[k]))
+            object_gather_list[k] = _from_array(kit.get(outputs[k]), int(sizes[k]))
 
 
 def scatter_object_list(scatter_object_output_list: List[Any], scatter_object_input_list: Optional[List[Any]] = None,
@@ -105,6 +136,7 @@ def scatter_object_list(scatter_object_output_list: List[Any], scatter_object_in
     root = 0 if root is None else root
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError("Expected argument scatter_object_output_list to be a list of size at least 1.")
+    kit = _arrays_for(pg)
     if pg.rank() == root:
         if scatter_object_input_list is None or len(scatter_object_input_list) != pg.size():
             raise ValueError(f"scatter_object_input_list must have {pg.size()} items on the source rank")
@@ -113,10 +145,11 @@ def scatter_object_list(scatter_object_output_list: List[Any], scatter_object_in
     else:
         arrays = None
         longest = np.zeros(1, dtype=np.int64)
+    longest = kit.put(longest)
     C.broadcast(longest, group_src=root, group=group)
-    n = int(longest[0])
-    size = np.zeros(1, dtype=np.int64)
-    sizes = [np.array([a.size], dtype=np.int64) for a in arrays] if arrays else None
+    n = int(kit.get(longest)[0])
+    size = kit.put(np.zeros(1, dtype=np.int64))
+    sizes = [kit.put(np.array([a.size], dtype=np.int64)) for a in arrays] if arrays else None
     C.scatter(size, sizes, group_src=root, group=group)
     padded = None
     if arrays:
@@ -124,7 +157,7 @@ def scatter_object_list(scatter_object_output_list: List[Any], scatter_object_in
         for a in arrays:
             p = np.zeros(n, np.uint8)
             p[: a.size] = a
-            padded.append(p)
-    out = np.empty(n, np.uint8)
+            padded.append(kit.put(p))
+    out = kit.put(np.empty(n, np.uint8))
     C.scatter(out, padded, group_src=root, group=group)
-    scatter_object_output_list[0] = _from_array(out, int(size[0]))
+    scatter_object_output_list[0] = _from_array(kit.get(out), int(kit.get(size)[0]))

@@ -96,28 +96,31 @@ def check_op_for_dtype(op: ReduceOp, dtype: np.dtype, what: str = "the array") -
         raise TypeError(f"ReduceOp.PREMUL_SUM needs a floating-point array; {what} is {dtype}")
 
 
-def _kernel(op: RedOpType, is_bool: bool):
-    if is_bool:
-        return {
-            RedOpType.SUM: np.logical_or, RedOpType.MAX: np.logical_or, RedOpType.BOR: np.logical_or,
-            RedOpType.PRODUCT: np.logical_and, RedOpType.MIN: np.logical_and, RedOpType.BAND: np.logical_and,
-            RedOpType.BXOR: np.logical_xor,
-        }[op]
-    return {
-        RedOpType.SUM: np.add, RedOpType.AVG: np.add, RedOpType.PREMUL_SUM: np.add,
-        RedOpType.PRODUCT: np.multiply, RedOpType.MIN: np.minimum, RedOpType.MAX: np.maximum,
-        RedOpType.BAND: np.bitwise_and, RedOpType.BOR: np.bitwise_or, RedOpType.BXOR: np.bitwise_xor,
-    }[op]
+_BOOL_KERNELS = {
+    RedOpType.SUM: np.logical_or, RedOpType.MAX: np.logical_or, RedOpType.BOR: np.logical_or,
+    RedOpType.PRODUCT: np.logical_and, RedOpType.MIN: np.logical_and, RedOpType.BAND: np.logical_and,
+    RedOpType.BXOR: np.logical_xor,
+}
+_KERNELS = {
+    RedOpType.SUM: np.add, RedOpType.AVG: np.add, RedOpType.PREMUL_SUM: np.add,
+    RedOpType.PRODUCT: np.multiply, RedOpType.MIN: np.minimum, RedOpType.MAX: np.maximum,
+    RedOpType.BAND: np.bitwise_and, RedOpType.BOR: np.bitwise_or, RedOpType.BXOR: np.bitwise_xor,
+}
+
+
+def kernel(op: ReduceOp, dtype: np.dtype):
+    """The ufunc that combines two arrays of ``dtype`` under ``op``."""
+    return (_BOOL_KERNELS if dtype == np.bool_ else _KERNELS)[op.op]
 
 
 def accumulate(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
     """``acc = acc (op) other``, in place. Both arrays are flat views of the same dtype."""
-    _kernel(op.op, acc.dtype == np.bool_)(acc, other, out=acc)
+    kernel(op, acc.dtype)(acc, other, out=acc)
 
 
 def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """``out = a (op) b``."""
-    _kernel(op.op, out.dtype == np.bool_)(a, b, out=out)
+    kernel(op, out.dtype)(a, b, out=out)
 
 
 def prepare_input(op: ReduceOp, array: np.ndarray) -> np.ndarray:

@@ -1,7 +1,6 @@
 """Init methods: a URL (``env://``, ``tcp://``, ``file://``) → ``(store, rank, world_size)``.
 
-The same entry points and error texts as torch 2.13 (../shared/spec/c10d-rendezvous.md
-§1–2): ``rendezvous(url, rank=-1, world_size=-1, **kwargs)`` returns a generator whose first
+The same entry points and error texts as torch 2.13 (docs/torch-rules.md §1–2): ``rendezvous(url, rank=-1, world_size=-1, **kwargs)`` returns a generator whose first
 ``next()`` yields the triple and whose second raises; ``register_rendezvous_handler(scheme,
 handler)`` adds a scheme. Handler errors are ``ValueError("Error initializing
 torch.distributed using <scheme>:// rendezvous: <detail>")``, naming the missing variable or
@@ -24,6 +23,7 @@ from datetime import timedelta
 from typing import Callable, Dict, Iterator, Tuple
 from urllib.parse import urlparse, urlunparse
 
+from . import settings
 from .store.base import Store
 from .store.prefix import PrefixStore
 
@@ -86,22 +86,11 @@ def _use_libuv(query: Dict[str, str]) -> bool:
     return query.get("use_libuv", os.environ.get("USE_LIBUV", "1")) == "1"
 
 
-def _truthy(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
 def uses_external_store(query: Dict[str, str]) -> bool:
     """True when the store already runs as a master service (see the module docstring)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if settings.external_store():
         return True
-    if _truthy(os.environ.get("DISTLIB_EXTERNAL_STORE", "")):
-        return True
-    return _truthy(query.get("external_store", ""))
-
-
-def run_id() -> str:
-    """The job's run id (TORCHELASTIC_RUN_ID, else DISTLIB_RUN_ID), or ""."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("DISTLIB_RUN_ID") or ""
+    return settings.flag("external_store", False, query)
 
 
 def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: timedelta,
@@ -118,7 +107,7 @@ def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, time
         raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
     if uses_external_store(query):
         store: Store = TCPStore(hostname, port, world_size, False, timeout, wait_for_workers=wait_for_workers)
-        rid = run_id()
+        rid = settings.run_id()
         return PrefixStore(f"distlib/run/{rid}", store) if rid else store
     return TCPStore(hostname, port, world_size, rank == 0, timeout, wait_for_workers=wait_for_workers,
                     multi_tenant=True, use_libuv=_use_libuv(query))

@@ -24,6 +24,7 @@ import os
 import sys
 from typing import List, Optional
 
+from . import settings
 from .launcher.launch import Options, launch
 from .launcher.report import dry_run_text
 from .launcher.resolve import Flags, ResolveError, resolve
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the master service (c10d) (default 300)")
     add("--dry-run", action="store_true",
         help="print every resolved value, where it came from, and each worker's environment; start nothing")
-    add("--log-level", default=os.environ.get("DISTLIB_LOG_LEVEL", "INFO"),
+    add("--log-level", default=settings.log_level(),
         help="the launcher's logging level (default INFO; env DISTLIB_LOG_LEVEL)")
     add("-m", "--module", action="store_true",
         help="run the program as a module: python -m MODULE (as python -m)")

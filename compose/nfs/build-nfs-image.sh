@@ -4,7 +4,7 @@
 #   NFS_IMAGE=distlib-nfs:bookworm compose/nfs/build-nfs-image.sh
 #
 # The base is the base of $IMAGE (its distlib.base-image label; default distlib-base:bookworm,
-# which docker/build-image.sh makes). nfs-ganesha, its VFS backend and libnfs-utils (nfs-ls for
+# which docker/offline-prepare.sh makes). nfs-ganesha, its VFS backend and libnfs-utils (nfs-ls for
 # the healthcheck) are downloaded as .deb files by the host's apt, resolved against the base's
 # own dpkg status (a Debian bookworm host), then installed by `docker build --network=none`.
 # Skipped when the image exists and nothing changed.

@@ -7,10 +7,9 @@ the receiver can tell a frame of this operation from any other and check it matc
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
-from typing import List, Tuple
+from typing import Any, List, Tuple, Union
 
 import numpy as np
 
@@ -21,13 +20,13 @@ from ..transport.tcp import Mesh, Slot
 #: Payload of one pipelined piece: big enough to amortise per-frame costs (4 MiB measured best
 #: for 64 MiB all_reduce over TCP at 2 and 4 ranks on 2 cores), small enough that
 #: reducing one piece overlaps with receiving the next.
-PIPE_BYTES = int(os.environ.get("DISTLIB_PIPE_KB", "4096")) << 10
+PIPE_BYTES = 4096 << 10
 
 #: Step numbers: algorithm phase * STEP_STRIDE + piece.
 STEP_STRIDE = 1 << 16
 
 #: At most this many bytes of receive buffers kept per mesh between operations (ScratchPool).
-SCRATCH_LIMIT = int(os.environ.get("DISTLIB_SCRATCH_MB", "256")) << 20
+SCRATCH_LIMIT = 256 << 20
 
 
 class ScratchPool:
@@ -71,11 +70,29 @@ class ScratchPool:
                 self.taken = False
 
 
+class Label:
+    """What an operation (or one step of it) is, for errors and heartbeats: ``fmt`` and its
+    arguments, formatted only when shown (formatting a dtype costs about a microsecond, a
+    sizeable part of a small collective)."""
+
+    __slots__ = ("fmt", "args")
+
+    def __init__(self, fmt: str, *args: Any):
+        self.fmt = fmt
+        self.args = args
+
+    def __str__(self) -> str:
+        return self.fmt.format(*self.args)
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+
 class OpContext:
     __slots__ = ("mesh", "rank", "size", "seq", "op", "dtype", "redop", "count", "deadline", "what")
 
     def __init__(self, mesh: Mesh, seq: int, op_name: str, dtype: int, redop: int, count: int,
-                 deadline: Deadline, what: str):
+                 deadline: Deadline, what: Union[str, Label]):
         self.mesh = mesh
         self.rank = mesh.rank
         self.size = mesh.size
@@ -93,7 +110,7 @@ class OpContext:
 
     def post(self, peer: int, view: memoryview, step: int) -> Slot:
         return self.mesh.post_data(peer, self.seq, step, view, self.op, self.dtype, self.redop, self.count,
-                                   f"{self.what} (step {step})")
+                                   Label("{} (step {})", self.what, step))
 
     def wait(self, slot: Slot) -> int:
         return self.mesh.wait(slot, self.deadline)

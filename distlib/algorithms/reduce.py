@@ -7,9 +7,11 @@ element is reduced once, in one fixed order, and then copied):
   reduces all of them in rank order 0, 1, 2, ... One round of latency.
 * **recursive doubling** (small arrays, many ranks): log2(n) rounds; a non-power-of-two
   group first folds its extra ranks into the others and unfolds at the end.
+* **tree** (small arrays, more ranks than CPUs on the machine): a binomial tree reduces to
+  rank 0 and broadcasts back, 2(n-1) frames, the fewest of all (see choose_all_reduce).
 * **ring** (large arrays): reduce-scatter then all-gather around the ring, 2(n-1)/n of the
-  array per rank on the wire, cut into ~4 MiB pieces (DISTLIB_PIPE_KB) so reducing one piece overlaps with
-  receiving the next, and the all-gather receiving straight into the output.
+  array per rank on the wire, cut into ~4 MiB pieces (context.PIPE_BYTES) so reducing one
+  piece overlaps with receiving the next, and the all-gather receiving straight into the output.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import List, Optional
 import numpy as np
 
 from ..reduce_op import ReduceOp, accumulate, combine
-from .context import SCRATCH_LIMIT, STEP_STRIDE, OpContext, ScratchPool, bview, chunk_bounds, pieces
+from . import context
+from .context import STEP_STRIDE, OpContext, ScratchPool, bview, chunk_bounds, pieces
 
 
 def in_rank_order(op: ReduceOp, contributions, n: int) -> np.ndarray:
@@ -75,6 +78,31 @@ def recursive_doubling_all_reduce(ctx: OpContext, flat: np.ndarray, op: ReduceOp
         ctx.send(r + p, bview(flat), STEP_STRIDE * 63)
 
 
+def tree_all_reduce(ctx: OpContext, flat: np.ndarray, op: ReduceOp) -> None:
+    """Binomial tree: reduce to rank 0 (each rank combines its subtree, lower ranks first),
+    then broadcast back down; 2(n-1) frames in all, 2 ceil(log2 n) steps."""
+    n, r = ctx.size, ctx.rank
+    other = np.empty_like(flat)
+    mask = 1
+    while mask < n:
+        if r & mask:
+            ctx.send(r - mask, bview(flat), 0)
+            break
+        if r + mask < n:
+            ctx.wait(ctx.post(r + mask, bview(other), 0))
+            accumulate(op, flat, other)
+        mask <<= 1
+    if r:
+        ctx.wait(ctx.post(r - (r & -r), bview(flat), 1))
+        mask = (r & -r) >> 1
+    else:
+        mask = 1 << max(0, (n - 1).bit_length() - 1)
+    while mask:
+        if r + mask < n:
+            ctx.send(r + mask, bview(flat), 1)
+        mask >>= 1
+
+
 def ring(ctx: OpContext, flat: np.ndarray, op: Optional[ReduceOp], owner_shift: int,
          reduce_phase: bool, gather_phase: bool) -> List[tuple]:
     """The ring, pipelined by pieces across steps and phases; returns the chunk bounds.
@@ -109,7 +137,7 @@ def ring(ctx: OpContext, flat: np.ndarray, op: Optional[ReduceOp], owner_shift: 
     depth = 1
     pool = raw = None
     if reduce_phase:
-        depth = min(n - 1, max(2, SCRATCH_LIMIT // max(1, longest * flat.itemsize)))
+        depth = min(n - 1, max(2, context.SCRATCH_LIMIT // max(1, longest * flat.itemsize)))
         pool = ScratchPool.of(ctx.mesh)
         raw = pool.take(depth * longest * flat.itemsize)
         scratch = raw.view(flat.dtype).reshape(depth, longest)
@@ -203,13 +231,28 @@ def ring_reduce_scatter_into(ctx: OpContext, work: np.ndarray, output: np.ndarra
     output.reshape(-1)[...] = work[lo:hi]
 
 
-def choose_all_reduce(nbytes: int, n: int) -> str:
-    """The algorithm for an all_reduce of ``nbytes`` per rank over ``n`` ranks."""
+#: Up to this many bytes per rank an all_reduce is latency-bound: a one-round or log-round
+#: algorithm, not the ring.
+SMALL_BYTES = 64 << 10
+
+
+def choose_all_reduce(nbytes: int, n: int, crowded: bool = False) -> str:
+    """The algorithm for an all_reduce of ``nbytes`` per rank over ``n`` ranks.
+
+    ``crowded``: the ranks on this machine outnumber its CPUs. Then the CPUs, not the
+    rounds, are the bottleneck, and the algorithm that moves the fewest frames wins: each
+    frame costs its sender a system call that also runs the receiver's side of loopback TCP
+    and wakes it. The tree moves 2(n-1) frames, recursive doubling about n log2 n, the
+    direct exchange n(n-1) (measurements: docs/performance-log.md, 2026-11-24). With a CPU
+    per rank the rounds count, and the one-round direct exchange stays.
+    """
     if n == 1:
         return "none"
+    if nbytes <= SMALL_BYTES and crowded and n > 2:
+        return "tree"
     if nbytes * (n - 1) <= (256 << 10) and n <= 8:
         return "direct"
-    if nbytes <= (64 << 10):
+    if nbytes <= SMALL_BYTES:
         return "recursive_doubling"
     return "ring"
 
@@ -217,5 +260,6 @@ def choose_all_reduce(nbytes: int, n: int) -> str:
 ALL_REDUCE = {
     "direct": direct_all_reduce,
     "recursive_doubling": recursive_doubling_all_reduce,
+    "tree": tree_all_reduce,
     "ring": ring_all_reduce,
 }

@@ -37,12 +37,20 @@ class CommBackend(abc.ABC):
     """Collectives for one device type within one process group."""
 
     name = "custom"
+    #: False: each method returns when this rank's part is done. True (nccl): each method
+    #: enqueues on a device stream and returns the operation's Work at once.
+    stream_ordered = False
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         self.store = store
         self.rank = rank
         self.size = size
         self.timeout = timeout
+
+    def for_array(self, array) -> "CommBackend":
+        """What runs one operation, issued now, on ``array``: the backend itself, unless it
+        stages device arrays through host memory (gloo with cupy arrays)."""
+        return self
 
     def _unsupported(self, op: str):
         return NotImplementedError(f"backend {self.name!r} does not implement {op}")
@@ -94,6 +102,12 @@ class CommBackend(abc.ABC):
 
     def post_recv(self, array: np.ndarray, src: Optional[int], tag: int) -> RecvHandle:
         raise self._unsupported("recv")
+
+    def post_send(self, array: np.ndarray, dst: int, tag: int) -> Optional[RecvHandle]:
+        """Start a send now and return its handle (``wait()`` returns ``dst``), for a backend
+        whose sends progress without the group's executor (MPI_Isend); None (the default):
+        isend runs ``send`` in the group's order."""
+        return None
 
     def shutdown(self) -> None:
         """Release sockets, threads and shared memory (destroy_process_group)."""

@@ -9,8 +9,10 @@ and size (algorithms/). Setting up, in order:
 2. publish the address and host identity, wait for every rank's (backends/join.py: logs
    progress, names the missing ranks on timeout);
 3. connect the mesh (one per GLOO_SOCKET_IFNAME interface; collectives round-robin);
-4. if every rank is on this host, all_reduce of large arrays goes through a shared-memory
-   segment, set up on first use (DISTLIB_SHM=0 turns it off).
+4. if every rank is on this host (and DISTLIB_SHM is not 0): the small-collective channel
+   (transport/shm_channel.py), through which every collective whose per-rank part fits
+   SMALL_SLOT_BYTES goes, without a system call when the ranks are running; all_reduce of
+   large arrays goes through a second segment, set up on its first use.
 """
 
 from __future__ import annotations
@@ -19,32 +21,58 @@ import logging
 import os
 import secrets
 from datetime import timedelta
-from typing import List, Optional, Sequence
+from functools import partial
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import settings
 from ..algorithms import gather as gather_algos
 from ..algorithms import reduce as reduce_algos
-from ..algorithms.context import OpContext, bview
-from ..algorithms.shm_allreduce import ShmAllReduce, mesh_barrier
-from ..arrays import dtype_code
+from ..algorithms import shm_small
+from ..algorithms.context import Label, OpContext, bview
+from ..algorithms.shm_allreduce import ShmAllReduce
+from ..arrays import DTYPE_CODES as _DTYPES
+from ..arrays import device_of, dtype_code
 from ..cpus import usable_cpus
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError
-from ..reduce_op import ReduceOp, finish, prepare_input
+from ..reduce_op import ReduceOp, finish, kernel, prepare_input
 from ..transport import address as addr
 from ..transport import frames
-from ..transport.shm import SharedSegment, free_bytes
+from ..transport import shm_channel, shm_wait
+from ..transport.shm_channel import SmallChannel
 from ..transport.tcp import ANY_SOURCE, Mesh, crowded_receive_buffer
+from . import cuda_staging
 from .base import CommBackend, RecvHandle
 from .join import local_facts, publish_and_gather
+from .shared_segments import agree_on_segment
 
 log = logging.getLogger("distlib.backends.gloo")
 
-#: all_reduce of at least this many bytes per rank uses shared memory (all ranks local).
+#: all_reduce of at least this many bytes per rank uses shared memory (all ranks local) in
+#: rounds (algorithms/shm_allreduce.py); with a small channel, everything above its slot does.
 SHM_MIN_BYTES = 256 << 10
 #: Bytes per rank per round in the shared segment.
-SHM_SLOT_BYTES = int(os.environ.get("DISTLIB_SHM_SLOT_MB", "8")) << 20
+SHM_SLOT_BYTES = 8 << 20
+#: Collectives whose part per rank fits a slot of the small channel go through it (all ranks
+#: local): SMALL_SLOT_BYTES, or less in large groups, so that an all_reduce (where every rank
+#: reads every slot) reads at most SMALL_READ_BYTES per rank. Above the slot the two-phase
+#: path of SHM_SLOT_BYTES rounds takes over: the one-exchange channel is faster up to about
+#: 256 KiB, level there, behind above (docs/performance-log.md, 2026-11-24).
+SMALL_SLOT_BYTES = 256 << 10
+SMALL_READ_BYTES = 1 << 20
+
+
+def small_slot_bytes(size: int) -> int:
+    """The small channel's slot in a group of ``size`` ranks (a multiple of 64 bytes)."""
+    return max(4096, min(SMALL_SLOT_BYTES, SMALL_READ_BYTES // max(1, size)) // 64 * 64)
+
+
+_ALL_REDUCE, _BROADCAST, _REDUCE = frames.OPS["all_reduce"], frames.OPS["broadcast"], frames.OPS["reduce"]
+_ALL_GATHER, _GATHER, _SCATTER = frames.OPS["all_gather"], frames.OPS["gather"], frames.OPS["scatter"]
+_REDUCE_SCATTER = frames.OPS["reduce_scatter"]
+_BARRIER_WORD = shm_channel.descriptor(frames.OPS["barrier"], 0, 0, -1)
 
 _MONITOR_ARRIVE, _MONITOR_RELEASE = 0, 1
 
@@ -70,7 +98,10 @@ class GlooBackend(CommBackend):
         self.seq = 0
         self.meshes: List[Mesh] = []
         self.shm: Optional[ShmAllReduce] = None
-        self.shm_state = "off" if os.environ.get("DISTLIB_SHM", "1") == "0" else "unset"
+        self._large_shm = "unset" if settings.shared_memory() else "off"  # the large all_reduce's segment
+        self.small: Optional[SmallChannel] = None
+        self._reductions: Dict[tuple, Tuple[int, Any]] = {}
+        self.crowded = False
         deadline = Deadline(self.timeout_s)
         try:
             self._establish(deadline)
@@ -82,7 +113,7 @@ class GlooBackend(CommBackend):
 
     def _establish(self, deadline: Deadline) -> None:
         advertised = addr.advertised_addresses(self.store)
-        port_range = addr.port_range_from_env()
+        port_range = settings.port_range()
         listeners = []
         for address, why in advertised:
             bind_to = address if os.environ.get("GLOO_SOCKET_IFNAME") else ("::" if ":" in address else "0.0.0.0")
@@ -102,6 +133,7 @@ class GlooBackend(CommBackend):
             self._warn_loopback(records)
         mesh_id = int(records[0]["mesh_id"])
         rcvbuf = self._receive_buffers(records, record["host_id"])
+        self.crowded = sum(self._on_this_machine(records, record["host_id"])) > usable_cpus()
         for index, listener in enumerate(listeners):
             mesh = Mesh(self.rank, self.size, self.timeout_s, mesh_id + index,
                         f"{self.label}" + (f"[if{index}]" if len(listeners) > 1 else ""))
@@ -109,14 +141,20 @@ class GlooBackend(CommBackend):
             peers = [tuple(rec["addresses"][min(index, len(rec["addresses"]) - 1)]) for rec in records]
             mesh.connect_all(peers, deadline, rcvbuf)
             self.meshes.append(mesh)
+        self._setup_small()
+
+    @staticmethod
+    def _on_this_machine(records, host_id: str) -> List[bool]:
+        """Per rank: whether it runs on this machine (same kernel; containers included)."""
+        kernel = host_id.split("/")[0]
+        return [rec["host_id"].split("/")[0] == kernel for rec in records]
 
     @staticmethod
     def _receive_buffers(records, host_id: str) -> List[int]:
         """Per peer: SO_RCVBUF for a peer on this machine (same kernel) when the machine runs
         more ranks than this process has CPUs; 0 (autotuning) otherwise (see
         transport.tcp.crowded_receive_buffer)."""
-        kernel = host_id.split("/")[0]
-        here = [rec["host_id"].split("/")[0] == kernel for rec in records]
+        here = GlooBackend._on_this_machine(records, host_id)
         size = crowded_receive_buffer(sum(here), usable_cpus())
         return [size if same else 0 for same in here]
 
@@ -130,16 +168,77 @@ class GlooBackend(CommBackend):
                     "its host name resolves to loopback in /etc/hosts)", self.label, r, address,
                     len({x["host_id"] for x in records}), r)
 
+    def for_array(self, array) -> CommBackend:
+        """cupy arrays go through host memory (backends/cuda_staging.py), as torch's gloo does."""
+        return cuda_staging.staged(self, array) if device_of(array) == "cuda" else self
+
+    def _setup_small(self) -> None:
+        """Collective (every rank of an all-local group, at init): the small-collective channel."""
+        if self.size < 2 or not self.all_local or not settings.shared_memory() or not shm_channel.supported():
+            return
+        slot = small_slot_bytes(self.size)
+        try:
+            segment = agree_on_segment(self._ctx, self.rank, shm_channel.bytes_needed(self.size, slot),
+                                       "small collectives", self.label, prefix="distlib-small")
+        except DistBackendError:
+            if self.meshes[0].error is None:
+                raise
+            # Ranks that finished setting up may already run (and fail) the group's first
+            # operation, and its abort can reach this rank before the last vote does. The
+            # group is joined: its first operation here raises that abort's reason.
+            return
+        if segment is None:
+            return
+        policy = shm_wait.decide(self.size, usable_cpus())
+        self.small = SmallChannel(segment, self.rank, self.size, slot, self.meshes[0], policy, self.timeout_s)
+        log.debug("%s: rank %d: small collectives through shared memory, %s", self.label, self.rank,
+                  shm_wait.description(policy))
+
+    @property
+    def shm_state(self) -> str:
+        """Whether all_reduce goes through shared memory: "on" (the small channel, or the large
+        segment once set up), "off" (it cannot), "unset" (no channel, and no large all_reduce yet)."""
+        return "on" if self.small is not None else self._large_shm
+
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _ctx(self, op_name: str, array: Optional[np.ndarray], redop: Optional[ReduceOp], what: str) -> OpContext:
+    def _ctx(self, op_name: str, array: Optional[np.ndarray], redop: Optional[ReduceOp], what: str,
+             *args, root: int = -1, announce: bool = True) -> OpContext:
+        """The next operation's context, for an operation that goes over the mesh (and, in a
+        group with a small-collective channel, announced there: see shm_channel).
+        ``what.format(*args)`` names it in errors (formatted only then)."""
         seq = self.seq
         self.seq += 1
         mesh = self.meshes[seq % len(self.meshes)]
-        dtype = dtype_code(array.dtype) if array is not None else 0
+        dtype = _DTYPES.get(array.dtype, 0) if array is not None else 0
         count = array.size if array is not None else 0
-        return OpContext(mesh, seq, op_name, dtype, redop.code if redop is not None else 0, count,
-                         Deadline(self.timeout_s), f"{what} (op #{seq})")
+        op = frames.OPS[op_name]
+        redop_code = redop.code if redop is not None else 0
+        if self.small is not None and announce:
+            self.small.announce(shm_channel.stamp(seq), shm_channel.descriptor(op, dtype, redop_code, root), count)
+        mesh.begin(seq, op, dtype, redop_code, count)
+        return OpContext(mesh, seq, op_name, dtype, redop_code, count, Deadline(self.timeout_s),
+                         Label(what + " (op #{})", *args, seq))
+
+    def _next_small(self, nbytes: int) -> int:
+        """The operation number of the next operation if it goes through the small channel
+        (``nbytes``: what each rank's slot must hold), else -1."""
+        small = self.small
+        if small is None or nbytes > small.slot_bytes:
+            return -1
+        seq = self.seq
+        self.seq = seq + 1
+        return seq
+
+    def _reduction(self, code: int, op: ReduceOp, dtype: np.dtype, root: int = -1) -> Tuple[int, Any]:
+        """(descriptor word, ufunc) of a reduction through the channel, kept: working them out
+        costs about a tenth of a small all_reduce."""
+        key = (code, op.op, dtype, root)
+        found = self._reductions.get(key)
+        if found is None:
+            word = shm_channel.descriptor(code, _DTYPES.get(dtype, 0), op.code, root)
+            found = self._reductions[key] = (word, kernel(op, dtype))
+        return found
 
     @staticmethod
     def _flat(array: np.ndarray) -> np.ndarray:
@@ -148,88 +247,88 @@ class GlooBackend(CommBackend):
     # -- collectives -----------------------------------------------------------------------------
 
     def all_reduce(self, array: np.ndarray, op: ReduceOp) -> None:
-        flat = self._flat(array)
-        ctx = self._ctx("all_reduce", flat, op, f"all_reduce of {flat.size} x {flat.dtype}")
+        flat = array.reshape(-1)
         if op.factor is not None:
             flat[...] = prepare_input(op, flat)
-        if self.size > 1:
-            if self._use_shm(flat.nbytes):
-                self.shm.run(ctx, flat, op)
-            else:
-                reduce_algos.ALL_REDUCE[reduce_algos.choose_all_reduce(flat.nbytes, self.size)](ctx, flat, op)
+        if self.size == 1:
+            return finish(op, flat, 1)
+        seq = self._next_small(flat.nbytes)
+        if seq >= 0:
+            word, combine = self._reduction(_ALL_REDUCE, op, flat.dtype)
+            shm_small.all_reduce(self.small, seq, flat, combine, word)
+        elif self._use_shm(flat, op):
+            # its barriers go through the channel (if any): an operation of the channel, not announced
+            ctx = self._ctx("all_reduce", flat, op, "all_reduce of {} x {}", flat.size, flat.dtype, announce=False)
+            self.shm.run(ctx, flat, op, self.small)
+        else:
+            ctx = self._ctx("all_reduce", flat, op, "all_reduce of {} x {}", flat.size, flat.dtype)
+            algorithm = reduce_algos.choose_all_reduce(flat.nbytes, self.size, self.crowded)
+            reduce_algos.ALL_REDUCE[algorithm](ctx, flat, op)
         finish(op, flat, self.size)
 
-    def _use_shm(self, nbytes: int) -> bool:
-        if not self.all_local or nbytes < SHM_MIN_BYTES or self.shm_state == "off":
+    def _use_shm(self, flat: np.ndarray, op: ReduceOp) -> bool:
+        """Whether a large all_reduce goes through the shared segment (set up on first use,
+        before the operation's own context is made: the setup is operations of its own)."""
+        least = self.small.slot_bytes + 1 if self.small is not None else SHM_MIN_BYTES
+        if not self.all_local or flat.nbytes < least or self._large_shm == "off":
             return False
-        if self.shm_state == "unset":
-            self._setup_shm()
+        if self._large_shm == "unset":
+            if self.small is not None:  # a rank waiting in the channel sees the all_reduce, not the setup
+                word = shm_channel.descriptor(_ALL_REDUCE, _DTYPES.get(flat.dtype, 0), op.code, -1)
+                self.small.announce(shm_channel.stamp(self.seq), word, flat.size)
+            segment = agree_on_segment(partial(self._ctx, announce=False), self.rank,
+                                       ShmAllReduce.bytes_needed(self.size, SHM_SLOT_BYTES), "large all_reduce",
+                                       self.label)
+            self.shm = ShmAllReduce(segment, self.size, SHM_SLOT_BYTES) if segment is not None else None
+            self._large_shm = "on" if segment is not None else "off"
         return self.shm is not None
 
-    def _setup_shm(self) -> None:
-        """Collective: rank 0 creates the segment, everyone maps it, all agree or all fall back."""
-        ctx = self._ctx("broadcast", None, None, "shared-memory setup")
-        vote = self._ctx("all_reduce", np.zeros(1, np.int8), ReduceOp.MIN, "shared-memory setup vote")
-        sync = self._ctx("shm_sync", None, None, "shared-memory setup barrier")
-        size = ShmAllReduce.bytes_needed(self.size, SHM_SLOT_BYTES)
-        name = bytearray(64)
-        segment = None
-        problem = ""
-        if self.rank == 0:
-            if free_bytes() < size:
-                problem = f"/dev/shm has {free_bytes() >> 20} MiB free, {size >> 20} MiB needed"
-            else:
-                try:
-                    segment = SharedSegment.create(size)
-                    name[: len(segment.name)] = segment.name.encode()
-                except (OSError, DistBackendError) as exc:
-                    problem = str(exc)
-        gather_algos.broadcast(ctx, np.frombuffer(name, dtype=np.uint8), 0)
-        if self.rank != 0 and name[0]:
-            try:
-                segment = SharedSegment.attach(bytes(name).rstrip(b"\0").decode(), size)
-            except (OSError, DistBackendError) as exc:
-                problem = str(exc)
-        ok = np.array([1 if segment is not None else 0], dtype=np.int8)
-        reduce_algos.direct_all_reduce(vote, ok, ReduceOp.MIN)
-        mesh_barrier(sync, 0)
-        if segment is not None and self.rank == 0:
-            segment.unlink()  # every rank has it mapped: the name is no longer needed
-        if ok[0] == 1:
-            self.shm = ShmAllReduce(segment, self.size, SHM_SLOT_BYTES)
-            self.shm_state = "on"
-            log.debug("%s: rank %d: all_reduce through shared memory (%d MiB)", self.label, self.rank, size >> 20)
-        else:
-            if segment is not None:
-                segment.close()
-            self.shm_state = "off"
-            log.warning("%s: rank %d: shared memory unavailable (%s); large all_reduce goes over TCP",
-                        self.label, self.rank, problem or "another rank could not map the segment")
-
     def broadcast(self, array: np.ndarray, root: int) -> None:
-        flat = self._flat(array)
-        ctx = self._ctx("broadcast", flat, None, f"broadcast of {flat.size} x {flat.dtype} from rank {root}")
-        if self.size > 1:
-            gather_algos.broadcast(ctx, flat, root)
+        flat = array.reshape(-1)
+        if self.size == 1:
+            return
+        seq = self._next_small(flat.nbytes)
+        if seq >= 0:
+            word = shm_channel.descriptor(_BROADCAST, _DTYPES.get(flat.dtype, 0), 0, root)
+            shm_small.broadcast(self.small, seq, flat, root, word)
+            return
+        ctx = self._ctx("broadcast", flat, None, "broadcast of {} x {} from rank {}", flat.size, flat.dtype, root,
+                        root=root)
+        gather_algos.broadcast(ctx, flat, root)
 
     def reduce(self, array: np.ndarray, root: int, op: ReduceOp) -> None:
         flat = self._flat(array)
-        ctx = self._ctx("reduce", flat, op, f"reduce of {flat.size} x {flat.dtype} to rank {root}")
         work = prepare_input(op, flat) if op.factor is not None else flat
         if self.size > 1:
-            if work is flat and self.rank != root:
-                work = flat.copy()
-            if flat.nbytes * (self.size - 1) <= (256 << 10):
-                reduce_algos.direct_reduce(ctx, work, root, op)
+            seq = self._next_small(flat.nbytes)
+            if seq >= 0:
+                word, combine = self._reduction(_REDUCE, op, flat.dtype, root)
+                if self.rank == root and work is not flat:
+                    flat[...] = work
+                    work = flat
+                shm_small.reduce(self.small, seq, work, root, combine, word)
             else:
-                reduce_algos.ring_reduce(ctx, work, root, op)
+                ctx = self._ctx("reduce", flat, op, "reduce of {} x {} to rank {}", flat.size, flat.dtype, root,
+                                root=root)
+                if work is flat and self.rank != root:
+                    work = flat.copy()
+                if flat.nbytes * (self.size - 1) <= (256 << 10):
+                    reduce_algos.direct_reduce(ctx, work, root, op)
+                else:
+                    reduce_algos.ring_reduce(ctx, work, root, op)
         if self.rank == root:
             if work is not flat:
                 flat[...] = work
             finish(op, flat, self.size)
 
     def all_gather(self, outputs: Sequence[np.ndarray], array: np.ndarray) -> None:
-        ctx = self._ctx("all_gather", array, None, f"all_gather of {array.size} x {array.dtype}")
+        if self.size > 1:
+            seq = self._next_small(array.nbytes)
+            if seq >= 0:
+                word = shm_channel.descriptor(_ALL_GATHER, _DTYPES.get(array.dtype, 0), 0, -1)
+                shm_small.all_gather(self.small, seq, [o.reshape(-1) for o in outputs], array.reshape(-1), word)
+                return
+        ctx = self._ctx("all_gather", array, None, "all_gather of {} x {}", array.size, array.dtype)
         gather_algos.all_gather(ctx, outputs, array)
 
     def all_gather_into(self, output: np.ndarray, array: np.ndarray) -> None:
@@ -238,24 +337,56 @@ class GlooBackend(CommBackend):
         self.all_gather(parts, array)
 
     def gather(self, outputs, array: np.ndarray, root: int) -> None:
-        ctx = self._ctx("gather", array, None, f"gather of {array.size} x {array.dtype} to rank {root}")
+        if self.size > 1:
+            seq = self._next_small(array.nbytes)
+            if seq >= 0:
+                word = shm_channel.descriptor(_GATHER, _DTYPES.get(array.dtype, 0), 0, root)
+                flat_outputs = [o.reshape(-1) for o in outputs] if outputs is not None else None
+                shm_small.gather(self.small, seq, flat_outputs, array.reshape(-1), root, word)
+                return
+        ctx = self._ctx("gather", array, None, "gather of {} x {} to rank {}", array.size, array.dtype, root,
+                        root=root)
         gather_algos.gather(ctx, outputs, array, root)
 
     def scatter(self, output: np.ndarray, inputs, root: int) -> None:
-        ctx = self._ctx("scatter", output, None, f"scatter of {output.size} x {output.dtype} from rank {root}")
+        if self.size > 1:
+            seq = self._next_small(output.nbytes * self.size)
+            if seq >= 0:
+                word = shm_channel.descriptor(_SCATTER, _DTYPES.get(output.dtype, 0), 0, root)
+                pieces = [i.reshape(-1) for i in inputs] if inputs is not None else None
+                shm_small.scatter(self.small, seq, output.reshape(-1), pieces, root, word)
+                return
+        ctx = self._ctx("scatter", output, None, "scatter of {} x {} from rank {}", output.size, output.dtype, root,
+                        root=root)
         gather_algos.scatter(ctx, output, inputs, root)
 
+    def _small_reduce_scatter(self, parts: List[np.ndarray], output: np.ndarray, op: ReduceOp) -> bool:
+        seq = self._next_small(output.nbytes * self.size) if self.size > 1 else -1
+        if seq < 0:
+            return False
+        word, combine = self._reduction(_REDUCE_SCATTER, op, output.dtype)
+        shm_small.reduce_scatter(self.small, seq, parts, output.reshape(-1), combine, word)
+        finish(op, output.reshape(-1), self.size)
+        return True
+
     def reduce_scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray], op: ReduceOp) -> None:
-        ctx = self._ctx("reduce_scatter", output, op, f"reduce_scatter of {output.size} x {output.dtype}")
-        parts = [prepare_input(op, a) for a in inputs]
+        parts = [prepare_input(op, a.reshape(-1)) for a in inputs]
+        if self._small_reduce_scatter(parts, output, op):
+            return
+        ctx = self._ctx("reduce_scatter", output, op, "reduce_scatter of {} x {}", output.size, output.dtype)
         reduce_algos.direct_reduce_scatter(ctx, parts, output, op)
         finish(op, output.reshape(-1), self.size)
 
     def reduce_scatter_into(self, output: np.ndarray, array: np.ndarray, op: ReduceOp) -> None:
-        ctx = self._ctx("reduce_scatter", output, op, f"reduce_scatter of {output.size} x {output.dtype}")
         flat = self._flat(array)
+        m = output.size
+        if self.small is not None and output.nbytes * self.size <= self.small.slot_bytes:
+            parts = [prepare_input(op, flat[k * m:(k + 1) * m]) for k in range(self.size)]
+            if self._small_reduce_scatter(parts, output, op):
+                return
+        ctx = self._ctx("reduce_scatter", output, op, "reduce_scatter of {} x {}", output.size, output.dtype)
         if output.nbytes * (self.size - 1) <= (256 << 10):
-            parts = [prepare_input(op, flat[k * output.size:(k + 1) * output.size]) for k in range(self.size)]
+            parts = [prepare_input(op, flat[k * m:(k + 1) * m]) for k in range(self.size)]
             reduce_algos.direct_reduce_scatter(ctx, parts, output, op)
         else:
             work = prepare_input(op, flat)
@@ -278,9 +409,13 @@ class GlooBackend(CommBackend):
         gather_algos.all_to_all(ctx, outs, ins)
 
     def barrier(self) -> None:
-        ctx = self._ctx("barrier", None, None, "barrier")
-        if self.size > 1:
-            gather_algos.barrier(ctx)
+        if self.size == 1:
+            return
+        seq = self._next_small(0)
+        if seq >= 0:
+            shm_small.barrier(self.small, seq, _BARRIER_WORD)
+            return
+        gather_algos.barrier(self._ctx("barrier", None, None, "barrier"))
 
     def monitored_barrier(self, timeout: timedelta, wait_all_ranks: bool) -> None:
         """Rank 0 waits up to ``timeout`` for each rank, then names those that did not come."""
@@ -340,6 +475,9 @@ class GlooBackend(CommBackend):
         for mesh in self.meshes:
             mesh.close()
         self.meshes = []
+        if self.small is not None:
+            self.small.close()
+            self.small = None
         if self.shm is not None:
             self.shm.segment.close()
             self.shm = None

@@ -1,7 +1,7 @@
 """``Backend``: backend names as torch spells them, the device → backend parsing, and plugins.
 
 ``Backend`` is a str subclass (``Backend("GLOO") == "gloo"``), with torch 2.13's rules
-(../shared/spec/c10d-rendezvous.md §7): a known name maps to every device it supports
+(docs/torch-rules.md §4): a known name maps to every device it supports
 (``gloo`` → ``cpu:gloo,cuda:gloo``), ``"cpu:gloo,cuda:nccl"`` is parsed pair by pair with
 torch's error texts, and ``Backend.register_backend(name, func, extended_api=False,
 devices=None)`` adds a third-party backend. A creator gets ``(store, group_rank,

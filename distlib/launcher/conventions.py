@@ -42,6 +42,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from ..settings import launcher_run_id
+
 FIELDS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port",
           "rdzv_backend", "rdzv_endpoint", "run_id")
 
@@ -175,11 +177,10 @@ RUN_ID_ENV = "run id variables"
 
 def run_id_env(env: Mapping[str, str]) -> Convention:
     conv = Convention(RUN_ID_ENV)
-    for var in ("DISTLIB_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        value = _get(env, var)
-        if value is not None:
-            conv.add("run_id", value, var)
-            break
+    found = launcher_run_id(env)
+    if found is not None:
+        var, value = found
+        conv.add("run_id", value, var)
     return conv
 
 

@@ -115,9 +115,11 @@ def check_answers(host: str, port: int, timeout: float) -> None:
 
 
 def _host(port: int, host: str) -> HostedStore:
+    from ..net import bind_for_clients
     from ..store.tcp.server import StoreServer
 
-    server = StoreServer("", port).start(f"distlib-run-store:{port}")
+    # Only where the workers reach it (the endpoint's address), with the job's token and TLS.
+    server = StoreServer(listen_sock=bind_for_clients(host, port)).start(f"distlib-run-store:{port}")
     return HostedStore(server, host)
 
 
@@ -149,7 +151,7 @@ def ensure_master_service(host: str, port: int, timeout: float) -> Optional[Host
     except DistError as exc:
         raise LauncherError(
             f"no distlib store-server answered at {where} within {format_duration(timeout)} "
-            f"(--rdzv-backend c10d --rdzv-endpoint {where}); start one there (distlib store-server --port {port}) "
+            f"(--rdzv-backend c10d --rdzv-endpoint {where}); start one there (distlib store-server --host 0.0.0.0 --port {port}) "
             f"or fix the endpoint: {exc}") from exc
     return None
 

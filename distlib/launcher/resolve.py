@@ -29,6 +29,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from .. import settings
 from ..cpus import usable_cpus
 from . import conventions as conv
 from .conventions import Candidate
@@ -386,7 +387,7 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
 
     # init method: the job's own (e.g. the Helm chart's file mode); no TCP store then
     init_method = None
-    text = (environ.get("DISTLIB_INIT_METHOD") or "").strip()
+    text = settings.init_method(environ)
     if text:
         init_method = Value(text, "DISTLIB_INIT_METHOD")
         if node_rank.value is None:

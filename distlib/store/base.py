@@ -96,6 +96,45 @@ def wrap_int64(number: int) -> int:
     return (number + 2**63) % 2**64 - 2**63
 
 
+def describe_key(key: bytes) -> str:
+    """A stored key for log lines and errors: text when it is text, escaped bytes otherwise."""
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError:
+        return repr(key)
+    return text if text.isprintable() else repr(key)
+
+
+def add_to_counter(old: Optional[bytes], amount: int, key: Union[str, bytes]) -> int:
+    """ADD's arithmetic, the same in every store: the stored value ``old`` (None: absent,
+    counts as 0; else C ``strtoll`` rules) plus ``amount``, wrapped to int64. The caller
+    stores the result as decimal ASCII (``b"%d"``). ValueError / IndexError (from
+    ``parse_counter``, naming ``key``) when ``old`` is not a number."""
+    if old is None:
+        number = amount
+    elif old.isdigit() and len(old) < 19:  # the usual case: a counter a store wrote
+        number = int(old) + amount
+    else:
+        number = parse_counter(old, key if isinstance(key, str) else describe_key(key)) + amount
+    if number > INT64_MAX or number < INT64_MIN:
+        number = wrap_int64(number)
+    return number
+
+
+def compare_set_refusal(current: Optional[bytes], expected: bytes, desired: bytes) -> Optional[bytes]:
+    """compare_set's rule, the same in every store (torch's four cases): None when the
+    store writes ``desired`` (and returns it), else what it returns without writing.
+
+    * key absent, expected empty: write, return desired;
+    * key absent, expected non-empty: no write, return **expected**;
+    * key present and equal to expected (bytes equality): write, return desired;
+    * key present and different: no write, return the current value.
+    """
+    if current is None:
+        return expected if expected else None
+    return None if current == expected else current
+
+
 class Store(abc.ABC):
     """Base class of every store (torch.distributed.Store)."""
 
@@ -149,13 +188,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
-        """Set ``key`` to ``desired_value`` if it holds ``expected_value``; torch's four cases.
-
-        * key absent, expected empty: set it, return desired;
-        * key absent, expected non-empty: change nothing, return **expected**;
-        * key present and equal to expected: set it, return desired;
-        * key present and different: change nothing, return the current value.
-        """
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value``; torch's four
+        cases (``compare_set_refusal``)."""
 
     @abc.abstractmethod
     def check(self, keys: List[str]) -> bool:
@@ -167,7 +201,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def delete_key(self, key: str) -> bool:
-        """Remove ``key``; True if it existed (FileStore: always True, as in torch)."""
+        """Remove ``key``; True if it existed, False if it did not (every distlib store;
+        torch's FileStore says True always)."""
 
     @abc.abstractmethod
     def num_keys(self) -> int:

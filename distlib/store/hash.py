@@ -20,10 +20,10 @@ from .base import (
     Store,
     ValueLike,
     check_key,
+    add_to_counter,
     check_keys,
-    parse_counter,
+    compare_set_refusal,
     to_bytes,
-    wrap_int64,
 )
 
 
@@ -58,9 +58,8 @@ class HashStore(Store):
         check_key(key)
         amount = int(amount)
         with self._cond:
-            old = self._data.get(key)
-            value = wrap_int64((parse_counter(old, key) if old is not None else 0) + amount)
-            self._data[key] = str(value).encode()
+            value = add_to_counter(self._data.get(key), amount, key)
+            self._data[key] = b"%d" % value
             self._cond.notify_all()
             return value
 
@@ -69,12 +68,9 @@ class HashStore(Store):
         expected = to_bytes(expected_value, "expected_value")
         desired = to_bytes(desired_value, "desired_value")
         with self._cond:
-            current = self._data.get(key)
-            if current is None:
-                if expected:
-                    return expected
-            elif current != expected:
-                return current
+            refused = compare_set_refusal(self._data.get(key), expected, desired)
+            if refused is not None:
+                return refused
             self._data[key] = desired
             self._cond.notify_all()
             return desired

@@ -2,7 +2,7 @@
 
 Every key becomes ``prefix + "/" + key`` — always with the slash, even when the prefix is
 empty or already ends in ``/`` (torch's process groups rely on the resulting ``//``; see
-../shared/spec/c10d-rendezvous.md §5). Nesting composes from the outside in:
+docs/wire-protocol.md, "PrefixStore keys"). Nesting composes from the outside in:
 ``PrefixStore("b", PrefixStore("a", s)).set("k", v)`` writes ``a/b/k``.
 
 Forwarded unchanged (not filtered by prefix), as in torch: ``num_keys``, ``timeout``,

@@ -93,19 +93,6 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def port_range_from_env() -> Optional[Tuple[int, int]]:
-    value = os.environ.get("DISTLIB_PORT_RANGE", "").strip()
-    if not value:
-        return None
-    try:
-        low, high = (int(x) for x in value.split("-", 1))
-    except ValueError:
-        raise ValueError(f"DISTLIB_PORT_RANGE must look like 30000-30100, got {value!r}") from None
-    if not 1 <= low <= high <= 65535:
-        raise ValueError(f"DISTLIB_PORT_RANGE {value!r} is not a range of ports within 1-65535")
-    return low, high
-
-
 def listen(bind_address: str, port_range: Optional[Tuple[int, int]], backlog: int) -> socket.socket:
     """A listening socket on ``bind_address``, on a port from ``port_range`` if given."""
     family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET

@@ -12,15 +12,14 @@ previous operation costs only the copy into the receive once it is posted.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Dict, List
 
 #: Frames smaller than this get a fresh buffer (malloc serves them without page faults).
 MIN_KEPT_BYTES = 256 << 10
 
-#: At most this many bytes of early-frame buffers are kept per mesh (DISTLIB_EARLY_KEEP_MB).
-KEEP_LIMIT = int(os.environ.get("DISTLIB_EARLY_KEEP_MB", "64")) << 20
+#: At most this many bytes of early-frame buffers are kept per mesh.
+KEEP_LIMIT = 64 << 20
 
 
 class EarlyBuffers:

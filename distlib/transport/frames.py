@@ -19,11 +19,16 @@ way; P2P frames in order per (sender, tag), as MPI's non-overtaking rule. Before
 is read, the receiver checks op, dtype, reduce op and size against what it expects; a
 mismatch means the ranks called different collectives or passed arrays of different shape or
 dtype, and every rank is told (an ABORT frame carries the text) instead of reading
-misaligned bytes. HELLO opens a connection: its 8-byte payload is the sender's rank and the
-mesh id, checked by the acceptor so a stray connection to a reused port is refused.
-HEARTBEAT is sent every few seconds by a rank that is blocked waiting; its payload says what
-it waits for, so a rank that times out can tell a peer that is alive (and waiting on somebody
-else) from one that has gone silent. ABORT's ``seq`` is the rank that found the failure.
+misaligned bytes. The check does not need the receive to be posted: a rank knows which
+operation it is in, and any DATA frame of that operation (any step), or of one it has
+finished, that says something else is a mismatch too. HELLO opens a connection: its 8-byte
+payload is the sender's rank and the mesh id, checked by the acceptor so a stray connection
+to a reused port is refused. HEARTBEAT is sent every few seconds by a rank that is blocked
+waiting; its payload says what it waits for, so a rank that times out can tell a peer that
+is alive (and waiting on somebody else) from one that has gone silent, and its op, dtype,
+redop, seq and count fields describe the operation it waits in (op 0: not a collective), so
+a rank in another collective of the same number learns of the mismatch even when no data
+frame ever goes between the two. ABORT's ``seq`` is the rank that found the failure.
 """
 
 from __future__ import annotations
@@ -67,3 +72,26 @@ def unpack(data) -> tuple:
     """(kind, op, dtype, redop, seq, step, count, nbytes)."""
     kind, op, dtype, redop, seq, step, _, count, nbytes = HEADER.unpack(data)
     return kind, op, dtype, redop, seq, step, count, nbytes
+
+
+def describe(op: int, dtype: int, count: int, root: int = -1) -> str:
+    """An operation in a user's words: ``broadcast of 10 x float32 from rank 0``."""
+    from ..arrays import dtype_name
+
+    name = OP_NAMES.get(op, f"op {op}")
+    text = f"{name} of {count} x {dtype_name(dtype)}" if dtype else name
+    if root >= 0:
+        text += f" {'to' if name in ('reduce', 'gather') else 'from'} rank {root}"
+    return text
+
+
+def why_mismatched(mine: tuple, theirs: tuple) -> str:
+    """Why two ranks' ``(op, dtype, redop, root)`` disagree, or, if those agree, the sizes."""
+    reasons = ("the ranks called different collectives (or the same ones in a different order)",
+               "the arrays have different dtypes on different ranks",
+               "the ranks passed different reduce ops",
+               "the ranks passed different roots (src/dst)")
+    for a, b, reason in zip(mine, theirs, reasons):
+        if a != b:
+            return reason
+    return "the arrays have different sizes on different ranks"

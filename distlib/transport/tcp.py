@@ -40,10 +40,14 @@ import socket
 import struct
 import threading
 import time
+from functools import partial
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
+from ..busy_poll import BusyPoll
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError, DistNetworkError
+from ..net import classify, tune
+from ..net import format_endpoint as endpoint
 from . import frames
 from .early import EarlyBuffers
 from .frames import ABORT, DATA, HEARTBEAT, HELLO, P2P
@@ -54,14 +58,18 @@ ANY_SOURCE = -1
 SLICE = 0.5  # seconds one blocking socket call may take before deadlines are checked again
 #: A rank blocked in a wait tells its peers what it waits for this often; a peer not heard
 #: from for SILENT_AFTER seconds while others wait is reported as the likely culprit.
-HEARTBEAT_INTERVAL = float(os.environ.get("DISTLIB_HEARTBEAT_S", "2"))
-#: How long a waiting reader polls before it blocks (adaptive; 0 turns it off).
-SPIN_S = float(os.environ.get("DISTLIB_SPIN_US", "80")) / 1e6
+HEARTBEAT_INTERVAL = 2.0
+#: How long a waiting reader polls before it blocks (busy_poll.py, backing off in time; 0
+#: turns it off).
+SPIN_S = 80e-6
 SILENT_AFTER = 3 * HEARTBEAT_INTERVAL
+#: After a wait for a frame of at least this many bytes the connection goes back to the
+#: progress thread at once (rearm_due): in a large transfer it receives the next piece while
+#: this thread sends one (64 MiB all_reduce over TCP, 2 ranks: half the bandwidth without).
+EAGER_REARM_BYTES = 256 << 10
 #: SO_RCVBUF of a connection between two ranks on one machine when that machine runs more of
-#: the group's ranks than it has CPUs (DISTLIB_CROWDED_RCVBUF_KB; 0 leaves the kernel's
-#: autotuning). See crowded_receive_buffer.
-CROWDED_RCVBUF = int(os.environ.get("DISTLIB_CROWDED_RCVBUF_KB", "2048")) << 10
+#: the group's ranks than it has CPUs. See crowded_receive_buffer.
+CROWDED_RCVBUF = 2048 << 10
 _POLLIN = select.POLLIN | select.POLLPRI
 _EPOLLIN_ONCE = select.EPOLLIN | select.EPOLLONESHOT
 
@@ -80,10 +88,6 @@ def crowded_receive_buffer(ranks_here: int, cpus: int) -> int:
     where the buffer must cover the network's bandwidth-delay product.
     """
     return CROWDED_RCVBUF if ranks_here > cpus else 0
-
-
-def endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _open_connection(host: str, port: int, timeout: float) -> socket.socket:
@@ -122,9 +126,10 @@ class Slot:
     sending = False  # see BlockedSend
 
     __slots__ = ("view", "kind", "op", "dtype", "redop", "nbytes", "count", "what",
-                 "event", "done", "error", "source", "conn")
+                 "event", "done", "error", "source", "conn", "seq")
 
-    def __init__(self, view: memoryview, kind: int, op: int, dtype: int, redop: int, count: int, what: str):
+    def __init__(self, view: memoryview, kind: int, op: int, dtype: int, redop: int, count: int, what: str,
+                 seq: int = -1):
         self.view = view
         self.kind = kind
         self.op = op
@@ -133,11 +138,17 @@ class Slot:
         self.nbytes = view.nbytes
         self.count = count
         self.what = what
+        self.seq = seq  # the operation's number (DATA), for heartbeats
         self.event = threading.Event()
         self.done = False
         self.error: Optional[BaseException] = None
         self.source = -1
         self.conn: Optional["PeerConnection"] = None
+
+    @property
+    def operation(self) -> Optional[Tuple[int, int, int, int, int]]:
+        """(op, dtype, redop, seq, count) of the collective this receive belongs to (heartbeats)."""
+        return (self.op, self.dtype, self.redop, self.seq & 0xFFFFFFFF, self.count) if self.seq >= 0 else None
 
     def complete(self, source: int) -> None:
         self.source = source
@@ -152,22 +163,29 @@ class Slot:
 
     def mismatch(self, op: int, dtype: int, redop: int, nbytes: int, count: int, peer: str) -> Optional[str]:
         """Why a frame cannot fill this slot, in a user's words, or None."""
-        from ..arrays import dtype_name
-
-        if op == self.op and dtype == self.dtype and redop == self.redop and nbytes == self.nbytes:
+        if op == self.op and dtype == self.dtype and redop == self.redop and nbytes == self.nbytes and \
+                (count == self.count or op == _ALL_TO_ALL):
             return None
-        mine = f"{frames.OP_NAMES.get(self.op, self.op)} of {self.count} x {dtype_name(self.dtype)}"
-        theirs = f"{frames.OP_NAMES.get(op, op)} of {count} x {dtype_name(dtype)}"
-        if op != self.op:
-            why = "the ranks called different collectives (or the same ones in a different order)"
-        elif dtype != self.dtype:
-            why = "the arrays have different dtypes on different ranks"
-        elif redop != self.redop:
-            why = "the ranks passed different reduce ops"
-        else:
-            why = (f"the arrays have different sizes on different ranks ({nbytes} bytes sent, "
-                   f"{self.nbytes} expected)")
-        return f"mismatched collective: {peer} sent {theirs}, but this rank is in {mine}: {why}"
+        return _disagreement(peer, (op, dtype, redop, count), (self.op, self.dtype, self.redop, self.count),
+                             f" ({nbytes} bytes sent, {self.nbytes} expected)" if nbytes != self.nbytes else "")
+
+
+_ALL_TO_ALL = frames.OPS["all_to_all"]
+_MONITORED_BARRIER = frames.OPS["monitored_barrier"]
+
+
+def _disagreement(peer: str, theirs: tuple, mine: tuple, detail: str = "", verb: str = "sent") -> str:
+    """The text of a mismatch: ``theirs``/``mine`` are (op, dtype, redop, count)."""
+    why = frames.why_mismatched(mine[:3], theirs[:3])
+    if why.endswith("sizes on different ranks"):
+        why += detail
+    return (f"mismatched collective: {peer} {verb} {frames.describe(theirs[0], theirs[1], theirs[3])}, "
+            f"but this rank is in {frames.describe(mine[0], mine[1], mine[3])}: {why}")
+
+
+def _behind(seq: int, current: int) -> bool:
+    """Whether operation number ``seq`` (32 bits, wrapping) comes before ``current``."""
+    return 0 < ((current - seq) & 0xFFFFFFFF) < (1 << 31)
 
 
 class PeerConnection:
@@ -214,15 +232,24 @@ class Mesh:
         self.error: Optional[DistBackendError] = None
         self.closed = False
         self.listener: Optional[socket.socket] = None
+        #: (seq, op, dtype, redop, count) of the operation this rank is in on this mesh (see begin)
+        self.current: Optional[Tuple[int, int, int, int, int]] = None
         # what threads are blocked on (receives, and sends the peer does not read): for heartbeats
         self.waits: Dict[int, Tuple[Union[Slot, BlockedSend], float]] = {}
+        # connections a waiting thread has read and not re-armed (see rearm_due)
+        self._due: set = set()
         self._last_beat = 0.0
-        self._spin_misses = 0
-        self._spin_quiet_until = 0.0  # no spinning before this perf_counter() time
+        # Not yielding to runnable tasks: peers are often on other hosts, and the back-off
+        # covers a host with more ranks than cores.
+        self._busy_poll = BusyPoll(SPIN_S, yield_cpu=False, backoff=True)
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._progress: Optional[threading.Thread] = None
+        #: Called (no arguments) when the mesh fails, a peer's connection is lost, or the mesh
+        #: closes: waiters outside the mesh (shared memory) sleep on something else, and must
+        #: be woken to look at the news.
+        self.trouble_hooks: List = []
 
     # -- establishing ----------------------------------------------------------------------------
 
@@ -257,13 +284,10 @@ class Mesh:
         while True:
             try:
                 sock = _open_connection(host, port, max(0.01, min(5.0, deadline.remaining())))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                tune(sock)
                 sock.settimeout(None)
                 return sock
             except OSError as exc:
-                from ..store.tcp.connect import classify
-
                 last = classify(exc)
             if deadline.expired():
                 raise DistNetworkError(
@@ -280,8 +304,7 @@ class Mesh:
             ready, _, _ = select.select([self.listener], [], [], left)
             if ready:
                 sock, addr = self.listener.accept()
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                tune(sock)
                 return sock, addr
             if deadline.expired():
                 missing = ", ".join(str(r) for r in sorted(expected))
@@ -371,6 +394,7 @@ class Mesh:
                             blocked = BlockedSend(conn, what)
                             blocked_key = id(blocked)
                             self.waits[blocked_key] = (blocked, time.monotonic())
+                            self.rearm_due()  # the peer may be blocked sending to this rank
                         self._heartbeat()
             finally:
                 if blocked_key is not None:
@@ -383,11 +407,55 @@ class Mesh:
 
     # -- receiving -------------------------------------------------------------------------------
 
+    def begin(self, seq: int, op: int, dtype: int, redop: int, count: int) -> None:
+        """This rank starts collective ``seq`` on this mesh. From now on any DATA frame of
+        ``seq`` that describes another operation, and any of an earlier ``seq`` (this rank
+        is done with it: nobody should still send it anything), is a mismatch, whatever
+        step it is for and whether or not its receive is posted: ranks whose algorithm never
+        sends them a frame from the odd rank out still learn of it from those that do. Frames
+        that arrived before this call are checked now."""
+        if self.error is not None:
+            raise self.error  # the cause, not the frames its abort left unread
+        current = (seq & 0xFFFFFFFF, op, dtype, redop, count)
+        stale = None
+        with self.match_lock:
+            self.current = current
+            for conn in self.conns:
+                if conn is not None and conn.unexpected:
+                    for fields, _ in conn.unexpected.values():
+                        problem = self._against_current(conn, fields)
+                        if problem:
+                            stale = problem
+                            break
+        if stale:
+            error = DistBackendError(f"{self.label}: {stale}")
+            self.abort(error)
+            raise error
+
+    def _against_current(self, conn: PeerConnection, fields: tuple) -> Optional[str]:
+        """Why a DATA frame that no posted receive took contradicts the operation this rank
+        is in (or has finished), or None. Call with match_lock held."""
+        current = self.current
+        if current is None or self.error is not None:
+            return None
+        _, op, dtype, redop, seq, _, count, _ = fields
+        mine = current[1:]
+        if seq == current[0]:
+            if (op, dtype, redop) == mine[:3] and (count == mine[3] or op == _ALL_TO_ALL):
+                return None
+            return _disagreement(conn.name(), (op, dtype, redop, count), mine)
+        if _behind(seq, current[0]) and op != _MONITORED_BARRIER:  # a late arrival may follow a give-up
+            return (f"mismatched collective: {conn.name()} sent {frames.describe(op, dtype, count)} for operation "
+                    f"#{seq}, which this rank finished without it (it is in operation #{current[0]}, "
+                    f"{frames.describe(mine[0], mine[1], mine[3])}): the ranks called different collectives "
+                    f"(or the same ones in a different order)")
+        return None
+
     def post_data(self, peer: int, seq: int, step: int, view: memoryview, op: int, dtype: int, redop: int,
                   count: int, what: str) -> Slot:
         """Post the receive of a collective's frame ``(seq, step)`` from ``peer``."""
         conn = self._conn(peer, what)
-        slot = Slot(view, DATA, op, dtype, redop, count, what)
+        slot = Slot(view, DATA, op, dtype, redop, count, what, seq)
         slot.conn = conn
         key = (seq & 0xFFFFFFFF, step & 0xFFFFFFFF)
         # Data that already arrived is good even if the peer has since closed (it finished).
@@ -408,6 +476,7 @@ class Mesh:
         tag &= 0xFFFFFFFF
         if self.error is not None:
             raise self.error
+        self.rearm_due()  # the progress thread fills it if nobody waits (irecv + is_completed)
         with self.match_lock:
             if peer == ANY_SOURCE:
                 for conn in self.conns:
@@ -456,10 +525,14 @@ class Mesh:
                         self._read_until(conn, slot, deadline)
                     finally:
                         conn.read_lock.release()
-                        self._rearm(conn)
+                        if slot.nbytes < EAGER_REARM_BYTES:
+                            self._due.add(conn)  # see rearm_due
+                        else:
+                            self._rearm(conn)
                 else:
                     self._help(conn)
                     self._heartbeat()
+                    self.rearm_due()
                     if not slot.event.wait(min(0.01, max(0.0, deadline.remaining()))):
                         if deadline.expired() and not slot.done:
                             self._give_up(slot, deadline)
@@ -468,6 +541,45 @@ class Mesh:
         if slot.error is not None:
             raise self._operation_failed(slot.error)
         return slot.source
+
+    # -- waits outside the mesh (shared memory) --------------------------------------------------
+
+    def begin_wait(self, wait) -> int:
+        """Register a wait on a peer that is not a posted receive (``wait`` has ``conn``,
+        ``what``, ``sending`` and ``fail(error)``): the heartbeats report it, as they report
+        receives. Returns the key for end_wait."""
+        key = id(wait)
+        self.waits[key] = (wait, time.monotonic())
+        return key
+
+    def end_wait(self, key: int) -> None:
+        self.waits.pop(key, None)
+
+    def wait_timed_out(self, wait, deadline: Deadline) -> DistBackendError:
+        """The error of a registered wait whose deadline passed (who is alive, who is silent);
+        the mesh is aborted with it, as for a receive."""
+        self._give_up(wait, deadline)
+        return wait.error
+
+    def beat(self) -> None:
+        """Send the heartbeat now if one is due (a waiting thread may be the only one free)."""
+        self._heartbeat()
+
+    def check_peer(self, peer: int) -> None:
+        """Raise if the mesh failed or ``peer``'s connection is gone (aborting the group: an
+        operation needs that peer)."""
+        if self.error is not None:
+            raise self.error
+        conn = self.conns[peer]
+        if conn is not None and conn.failed is not None:
+            self._check(conn)
+
+    def _troubled(self) -> None:
+        for hook in list(self.trouble_hooks):
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a hook must not stop the failure from spreading
+                log.exception("%s: a wake-up hook failed", self.label)
 
     def _operation_failed(self, error: BaseException) -> BaseException:
         """What an operation whose receive failed raises: its own error, after telling the
@@ -514,12 +626,14 @@ class Mesh:
                 if give_up:
                     self._give_up(slot, deadline)
                 return
-            if not self._spin(conn) and not conn.poller.poll(min(left, 0.2) * 1000):
-                if self.error is not None:
-                    slot.fail(self.error)
-                self._help(conn)
-                self._heartbeat()
-                continue
+            if not self._spin(conn):
+                self.rearm_due()  # about to sleep: the progress thread watches the others again
+                if not conn.poller.poll(min(left, 0.2) * 1000):
+                    if self.error is not None:
+                        slot.fail(self.error)
+                    self._help(conn)
+                    self._heartbeat()
+                    continue
             self._read_frame(conn)
 
     def _spin(self, conn: PeerConnection) -> bool:
@@ -529,26 +643,10 @@ class Mesh:
         as a small collective. When the frame comes within the window (a peer on the same
         host answering at once) the wake-up is saved. When frames keep missing the window
         (more ranks than cores, a slow peer, large transfers), spinning only takes CPU from
-        the ranks that would send, so after k misses in a row the mesh stops spinning for
-        SPIN_S x 2^k (k <= 10: about 80 ms). The back-off is in time, not in waits: at most
-        one spin per quiet period, and a phase of small collectives after large ones spins
-        again within 80 ms instead of after a thousand slow waits.
+        the ranks that would send, so the mesh backs off in time (busy_poll.py): a phase of
+        small collectives after large ones spins again within about 80 ms.
         """
-        if SPIN_S <= 0:
-            return False
-        clock = time.perf_counter
-        now = clock()
-        if now < self._spin_quiet_until:
-            return False
-        poll = conn.poller.poll
-        until = now + SPIN_S
-        while clock() < until:
-            if poll(0):
-                self._spin_misses = 0
-                return True
-        self._spin_misses = min(self._spin_misses + 1, 10)
-        self._spin_quiet_until = clock() + SPIN_S * (1 << self._spin_misses)
-        return False
+        return self._busy_poll.spin(partial(conn.poller.poll, 0)) is not None
 
     def _give_up(self, slot: Slot, deadline: Deadline) -> None:
         who = slot.conn.name() if slot.conn is not None else "any rank"
@@ -589,7 +687,29 @@ class Mesh:
                     self._read_frame(conn)
             finally:
                 conn.read_lock.release()
-                self._rearm(conn)
+                self._due.add(conn)
+
+    def rearm_due(self) -> None:
+        """Hand the connections that waiting threads have read back to the progress thread.
+
+        Why not at once (after small frames; large ones re-arm at once, EAGER_REARM_BYTES):
+        a thread that waits for a frame reads its connection itself, and
+        while it goes from one operation to the next (one small collective after another)
+        a re-armed connection would wake the progress thread for every frame, only to find
+        the frame taken or to take it and make the waiter wait for a hand-off (and both
+        threads contend for the interpreter lock, a futex call each way). So they are
+        re-armed when a thread is about to sleep (in a receive, a send the peer does not
+        read, a wait in shared memory), when a point-to-point receive is posted (nobody may
+        wait for it), and by the progress thread whenever no thread waits. A frame that comes
+        in the meantime waits in the kernel for the next receive, which reads it directly.
+        """
+        due = self._due
+        while due:
+            try:
+                conn = due.pop()
+            except KeyError:
+                return
+            self._rearm(conn)
 
     # -- reading frames (the caller holds conn.read_lock) ---------------------------------------
 
@@ -634,6 +754,8 @@ class Mesh:
                 self._recv_into(conn, memoryview(text), "a heartbeat")
                 conn.status = text.decode("utf-8", "replace")
                 conn.status_time = conn.last_heard
+                if op:
+                    self._check_waiter(conn, fields)
                 return
             if kind == ABORT:
                 text = bytearray(nbytes)
@@ -664,6 +786,9 @@ class Mesh:
                 slot = self._take_slot(conn, kind, seq, step)
                 if slot is None:
                     if kind == DATA:
+                        problem = self._against_current(conn, fields)
+                        if problem:
+                            raise DistBackendError(f"{self.label}: {problem}")
                         conn.unexpected[(seq, step)] = (fields, data)
                     else:
                         conn.p2p_unexpected[seq].append((fields, data))
@@ -682,6 +807,20 @@ class Mesh:
             if not getattr(error, "connection_lost", False):
                 self.abort(error)
             # else: _peer_lost failed whatever else waited on that connection; others go on
+
+    def _check_waiter(self, conn: PeerConnection, fields: tuple) -> None:
+        """A heartbeat from a peer blocked in collective ``seq``: if this rank is in the same
+        collective number but another collective, neither may ever send the other a frame
+        (each waits on a third rank, or on the other): say so now, on every rank."""
+        _, op, dtype, redop, seq, _, count, _ = fields
+        current = self.current
+        if current is None or seq != current[0]:
+            return
+        mine = current[1:]
+        if (op, dtype, redop) == mine[:3] and (count == mine[3] or op == _ALL_TO_ALL):
+            return
+        raise DistBackendError(f"{self.label}: " + _disagreement(conn.name(), (op, dtype, redop, count), mine,
+                                                               verb="is waiting in"))
 
     def _mismatch(self, slot: Slot, problem: str) -> None:
         """A frame does not fit the receive it matched: fail that receive (already taken out
@@ -725,6 +864,8 @@ class Mesh:
                 return
             if self.waits:
                 self._heartbeat()
+            else:
+                self.rearm_due()  # no thread is waiting: nobody else reads them
             for fd, _ in events:
                 if fd == self._wake_r:
                     try:
@@ -765,7 +906,8 @@ class Mesh:
             data = f"waiting {now - since:.0f}s to send {slot.what} to {who} (it is not reading)".encode("utf-8")
         else:
             data = f"waiting {now - since:.0f}s for {slot.what} from {who}".encode("utf-8")
-        frame = frames.pack(HEARTBEAT, 0, 0, 0, 0, 0, 0, len(data)) + data
+        op, dtype, redop, seq, count = getattr(slot, "operation", None) or (0, 0, 0, 0, 0)
+        frame = frames.pack(HEARTBEAT, op, dtype, redop, seq, 0, count, len(data)) + data
         for conn in self.conns:
             if conn is None or conn.failed is not None or not conn.send_lock.acquire(blocking=False):
                 continue
@@ -829,6 +971,7 @@ class Mesh:
         log.debug("%s", error)
         for slot in slots:
             slot.fail(conn.failed)
+        self._troubled()
         return conn.failed
 
     def _timeout(self, conn: PeerConnection, doing: str, deadline: Deadline) -> DistBackendError:
@@ -880,6 +1023,7 @@ class Mesh:
                 pass
         for slot in slots:
             slot.fail(error)
+        self._troubled()
 
     def close(self) -> None:
         """Close every connection and stop the progress thread (idempotent)."""
@@ -911,3 +1055,4 @@ class Mesh:
         with self.match_lock:
             if self.error is None:
                 self.error = DistBackendError(f"{self.label}: the process group was destroyed")
+        self._troubled()

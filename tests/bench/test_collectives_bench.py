@@ -8,17 +8,25 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from distlib.bench import collectives as bench
+from distlib.tools.bench import collectives as bench
+from distlib.tools.bench import collectives_cli
+from distlib.tools.bench.cases import Case
+from distlib.tools.bench.common import BenchError
 
 ALL_OPS = list(bench.OPS)
-TINY = ["--min-bytes", "4", "--max-bytes", "4K", "--step-factor", "16", "--iters", "3", "--warmup", "1",
-        "--rounds", "1"]
+SIZES = ["--min-bytes", "4", "--max-bytes", "4K", "--step-factor", "16", "--iters", "3", "--warmup", "1",
+         "--rounds", "1"]
+#: The gloo tests measure distlib's gloo alone (the raw mpi4py floor has tests of its own, below).
+TINY = SIZES + ["--no-mpi4py"]
 
 
 def run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -100,7 +108,7 @@ def test_tcp_transport_turns_shared_memory_off():
 def exit_code(args) -> int:
     """main's exit status, whether it returns it or argparse exits with it."""
     try:
-        return bench.main(args)
+        return collectives_cli.main(args)
     except SystemExit as exc:
         return exc.code
 
@@ -115,6 +123,8 @@ def exit_code(args) -> int:
     (["--iters", "0"], "--iters and --rounds must be >= 1"),
     (["--init-sizes", "8,x"], "comma-separated world sizes"),
     (["--dtype", "complex64"], "invalid choice"),
+    (["--backend", "nccl"], "--backend nccl runs on GPUs: add --device cuda"),
+    (["--no-gloo"], "--no-gloo leaves distlib's gloo out of a --backend mpi run"),
 ])
 def test_bad_options_fail_with_a_clear_error(args, words, capsys):
     assert exit_code(args) == 2
@@ -159,7 +169,7 @@ def test_a_wrong_result_reports_no_bandwidth(monkeypatch, capsys):
         return work
 
     monkeypatch.setattr(distlib, "all_reduce", broken)
-    code = bench.main(["--nproc", "2", "--no-torch", "--ops", "all_reduce,broadcast", *TINY,
+    code = collectives_cli.main(["--nproc", "2", "--no-torch", "--ops", "all_reduce,broadcast", *TINY,
                        "--init-sizes", "none", "--json", "-", "--quiet"])
     captured = capsys.readouterr()
     assert code == 1
@@ -234,7 +244,7 @@ def _emulate(op: str, cases):
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_validation_accepts_right_results_and_catches_misplaced_chunks(op, dtype):
     n, count = 3, 3 * 600  # chunks longer than the pattern period
-    cases = [bench._Case(op, count, dtype, r, n) for r in range(n)]
+    cases = [Case(op, count, dtype, r, n) for r in range(n)]
     for c in cases:
         c.fill()
     _emulate(op, cases)
@@ -271,3 +281,161 @@ def test_against_torch_gloo(tmp_path):
     latency = [t for t in doc["targets"] if t["label"].startswith("all_reduce 4 B latency")][0]
     assert latency["result"] in ("PASS", "MISS")
     assert "torch (us)" in result.stdout and "ratio" in result.stdout
+
+
+
+# -- MPI: raw mpi4py as the floor, distlib's mpi backend under mpirun --------------------------------
+
+
+def need_mpi() -> None:
+    """Skip without mpi4py and mpirun; under DISTLIB_REQUIRE_MPI=1 (CI) fail instead."""
+    from distlib import settings
+    from distlib.tools.bench import mpi_group
+
+    missing = mpi_group.why_not_available()
+    if missing:
+        if settings.require_mpi():
+            pytest.fail(f"DISTLIB_REQUIRE_MPI is set but the MPI bench cannot run: {missing}")
+        pytest.skip(f"no MPI: {missing}")
+
+
+def check_figures(entry: dict, impl: str, nproc: int) -> None:
+    """An implementation's figures of one row: validated, timed on every rank, busbw from size and time."""
+    d = entry[impl]
+    assert d["validated"] is True and d["error"] is None, (impl, entry)
+    assert d["time_us"] > 0 and len(d["per_rank_us"][0]) == nproc
+    assert d["time_us"] == pytest.approx(max(d["per_rank_us"][0]), abs=1e-3)
+    assert d["busbw_gbs"] == pytest.approx(entry["bytes"] / (d["time_us"] * 1e-6) / 1e9 * entry["busbw_factor"],
+                                           rel=1e-6)
+
+
+def test_the_gloo_run_shows_raw_mpi4py_as_the_floor():
+    """The default run measures raw mpi4py too (one MPI job under mpirun, the same sizes and
+    rounds), in its own columns; the ratio stays distlib/torch (none without torch)."""
+    need_mpi()
+    result = run_bench("--nproc", "2", "--no-torch", "--ops", "all_reduce,all_to_all", *SIZES, "--init-sizes",
+                       "none", "--json", "-")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["backend"] == "gloo" and doc["implementations"] == ["distlib", "mpi4py"]
+    assert doc["reference"] == "torch" and doc["environment"]["mpi_library"].startswith("Open MPI")
+    for e in doc["collectives"]:
+        for impl in ("distlib", "mpi4py"):
+            check_figures(e, impl, 2)
+        assert e["ratio"] is None and "overhead_us" not in e
+    header = next(line for line in result.stderr.splitlines() if line.startswith("size (B)"))
+    assert "mpi4py (us)" in header and "mpi4py busbw" in header and "ratio" not in header
+    assert "raw mpi4py" in result.stderr and "(torch not measured: --no-torch)" in result.stderr
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_backend_mpi_times_distlib_and_raw_mpi4py_on_the_same_ranks(nproc):
+    """--backend mpi starts its ranks under mpirun itself; every op is validated and timed for
+    distlib's mpi backend and for raw mpi4py; the ratio is mpi4py's time over distlib's and the
+    overhead their difference; the targets are against mpi4py."""
+    need_mpi()
+    result = run_bench("--backend", "mpi", "--nproc", str(nproc), "--no-gloo", "--ops", ",".join(ALL_OPS), *SIZES,
+                       "--json", "-", timeout=300)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["backend"] == "mpi" and doc["implementations"] == ["distlib", "mpi4py"]
+    assert doc["reference"] == "mpi4py" and doc["failures"] == []
+    assert {e["op"] for e in doc["collectives"]} == set(ALL_OPS)
+    for e in doc["collectives"]:
+        for impl in ("distlib", "mpi4py"):
+            check_figures(e, impl, nproc)
+        assert e["ratio"] == pytest.approx(e["mpi4py"]["time_us"] / e["distlib"]["time_us"], rel=1e-6)
+        assert e["overhead_us"] == pytest.approx(e["distlib"]["time_us"] - e["mpi4py"]["time_us"], abs=1e-6)
+    assert [r for r in doc["rows"] if r["section"] == "init"] == []  # mpirun set the ranks up
+    targets = {t["label"]: t for t in doc["targets"]}
+    latency = targets[f"all_reduce 4 B latency, {nproc} ranks"]
+    assert latency["target"] == {"text": "<= raw mpi4py + 15 us", "max_excess": 15e-6}
+    assert latency["result"] in ("PASS", "MISS")  # measured: timings are reported, never asserted
+    if nproc == 2:
+        busbw = targets["all_reduce float32 64 MiB busbw, 2 ranks"]
+        assert busbw["result"] == "n/a" and "not in this run" in busbw["note"]
+    text = result.stderr
+    assert "(mpi backend) vs raw mpi4py" in text and "overhead (us)" in text and "mpi4py (us)" in text
+    assert "(torch not measured: --no-gloo)" in text
+
+
+def test_backend_mpi_beside_distlibs_gloo():
+    need_mpi()
+    result = run_bench("--backend", "mpi", "--nproc", "2", "--no-torch", "--ops", "all_reduce", *SIZES,
+                       "--json", "-", "--quiet")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["implementations"] == ["distlib", "mpi4py", "distlib-gloo"]
+    for e in doc["collectives"]:
+        for impl in doc["implementations"]:
+            check_figures(e, impl, 2)
+    assert "gloo (us)" in result.stderr
+
+
+@pytest.mark.parametrize("env, args, words", [
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, ["--backend", "mpi"], "starts its ranks itself"),
+    ({}, ["--backend", "mpi", "--init-sizes", "8"], "--init-sizes times init_process_group('gloo')"),
+])
+def test_mpi_options_that_cannot_work_are_refused(env, args, words):
+    result = subprocess.run([sys.executable, "-m", "distlib.cli", "bench", "collectives", *args],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_backend_mpi_without_mpi4py_says_what_to_install(monkeypatch, capsys):
+    from distlib.tools.bench import mpi_group
+
+    monkeypatch.setattr(mpi_group, "why_not_available", lambda: "mpi4py is not importable")
+    assert exit_code(["--backend", "mpi"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend mpi needs mpi4py and mpirun: mpi4py is not importable (pip install 'distlib-c10d[mpi]')" in err
+
+
+# -- the MPI job itself: every wait has a deadline, a dead rank is an error, nothing is left --------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_rank_of_the_mpi_job_that_dies_is_an_error_and_nothing_is_left():
+    need_mpi()
+    from distlib.tools.bench.mpi_group import MpiGroup
+
+    group = MpiGroup(2, ["mpi4py"], timeout_s=60)
+    try:
+        replies = group.measure("mpi4py", "all_reduce", 1024, "float32", 3, 1, True)
+        assert [r["rank"] for r in replies] == [0, 1] and all(r["wrong"] is None for r in replies)
+        os.kill(group.pids[1], signal.SIGKILL)
+        with pytest.raises(BenchError, match=r"MPI rank \d .*(went away|broke)"):
+            group.measure("mpi4py", "all_reduce", 1024, "float32", 3, 1, False)
+    finally:
+        started = time.monotonic()
+        group.stop(grace=10)
+    assert time.monotonic() - started < 30
+    assert group.proc.poll() is not None and not any(_alive(pid) for pid in group.pids)
+
+
+def test_mpi_ranks_that_never_connect_time_out(monkeypatch):
+    from distlib.tools.bench import mpi_group
+
+    monkeypatch.setattr(mpi_group, "mpirun_command",
+                        lambda n, argv: [sys.executable, "-c", "import time; time.sleep(120)"])
+    started = time.monotonic()
+    with pytest.raises(BenchError, match="2 of 2 MPI ranks did not connect within 2 s"):
+        mpi_group.MpiGroup(2, ["mpi4py"], timeout_s=2)
+    assert time.monotonic() - started < 15
+
+
+def test_an_mpirun_that_fails_shows_what_it_said(monkeypatch):
+    from distlib.tools.bench import mpi_group
+
+    monkeypatch.setattr(mpi_group, "mpirun_command",
+                        lambda n, argv: [sys.executable, "-c", "print('no slots for 2 ranks'); raise SystemExit(3)"])
+    with pytest.raises(BenchError, match=r"(?s)mpirun exited with 3 before its 2 ranks connected \(0 did\):.*"
+                                         r"no slots for 2 ranks"):
+        mpi_group.MpiGroup(2, ["mpi4py"], timeout_s=30)

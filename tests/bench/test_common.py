@@ -1,5 +1,5 @@
-"""distlib.bench.common: the helpers every benchmark shares (tables, rows and targets,
-statistics, child processes, JSON)."""
+"""distlib.tools.bench.common: the helpers every benchmark shares (tables, rows and targets,
+statistics, child processes, the targets file)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from distlib.bench import common
-from distlib.bench.common import BenchError, Child, ChildError, Row, Table, Target
+from distlib.tools.bench import common
+from distlib.tools.bench.common import BenchError, Child, ChildError, Row, Table, Target
 
 
 def test_table_aligns_text_left_and_numbers_right():
@@ -89,6 +89,22 @@ def test_row_results_without_a_reference_and_with_absolute_targets():
     assert Row("s", "untargeted", "ops/s", True).result() == ""
 
 
+def test_a_target_on_the_excess_over_the_reference():
+    """--backend mpi's latency target: distlib's time at most 15 us above raw mpi4py's."""
+    row = Row("all_reduce", "4 B", "s", False, Target("<= raw mpi4py + 15 us", max_excess=15e-6))
+    row.add("distlib", 20e-6)
+    assert row.result("distlib", "mpi4py") == common.NOT_MEASURED and math.isnan(row.excess("distlib", "mpi4py"))
+    row.add("mpi4py", 6e-6)
+    assert row.excess("distlib", "mpi4py") == pytest.approx(14e-6) and row.result("distlib", "mpi4py") == common.PASS
+    row.add("distlib", 30e-6)
+    row.add("distlib", 40e-6)  # median 30 us: 24 us above
+    assert row.result("distlib", "mpi4py") == common.MISS
+    assert row.to_json(["distlib", "mpi4py"], "mpi4py")["target"] == {"text": "<= raw mpi4py + 15 us",
+                                                                      "max_excess": 15e-6}
+    row.fail("mpi4py", "MPI job did not start")
+    assert math.isnan(row.excess("distlib", "mpi4py")) and row.result("distlib", "mpi4py") == common.NOT_MEASURED
+
+
 def test_row_json_has_rounds_medians_and_nulls_for_nan():
     row = Row("single client", "get", "ops/s", True, Target(">= 2x", min_speedup=2.0), note="n")
     row.add("distlib", 10.0, p50_us=3.0)
@@ -131,14 +147,6 @@ def test_paired_ratio_of_nothing_is_nan_with_no_pairs():
 
 def test_interleaved_order():
     assert common.interleaved(2, ["a", "b"]) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
-
-
-def test_write_json_to_a_file_and_to_stdout(tmp_path, capsys):
-    path = tmp_path / "out.json"
-    common.write_json(str(path), {"x": [1, 2]})
-    assert json.loads(path.read_text()) == {"x": [1, 2]}
-    common.write_json("-", {"y": 1})
-    assert json.loads(capsys.readouterr().out) == {"y": 1}
 
 
 def test_timed_loop_counts_and_times_calls():
@@ -200,3 +208,54 @@ def test_run_child_returns_the_result():
 
 def _echo_now(conn, x):
     return x * 2
+
+
+# -- the targets, as data ---------------------------------------------------------------------
+
+
+def test_the_shipped_targets_load_for_both_benchmarks():
+    store = common.load_targets("store")
+    assert store["single_client"]["get"] == Target(">= 2x torch", min_speedup=2.0)
+    assert store["connect_storm"]["applies"] == {"min_clients": 256}
+    assert store["connect_storm"]["target"].max_value == 1.0
+    coll = common.load_targets("collectives")
+    assert coll["all_reduce_busbw"]["shm"].min_speedup == 2.0 and coll["init_absolute"]["applies"] == {"ranks": 32}
+    mpi = common.load_targets("collectives_mpi")
+    assert mpi["all_reduce_busbw"]["target"].min_speedup == 0.95
+    assert mpi["all_reduce_busbw"]["applies"] == {"bytes": 64 << 20, "ranks": [2, 4], "dtype": "float32"}
+    assert mpi["all_reduce_latency"]["target"].max_excess == 15e-6
+
+
+def test_targets_come_from_the_file(tmp_path):
+    path = tmp_path / "targets.json"
+    path.write_text(json.dumps({"store": {"barrier": {"text": "at most 5 ms", "max_value": 0.005},
+                                          "concurrent_clients": {"applies": {"clients": 8},
+                                                                 "target": {"text": ">= 3x", "min_speedup": 3}}}}))
+    loaded = common.load_targets("store", path)
+    assert loaded["barrier"] == Target("at most 5 ms", max_value=0.005)
+    assert loaded["concurrent_clients"] == {"applies": {"clients": 8}, "target": Target(">= 3x", min_speedup=3.0)}
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"text": "x"}, "one number of min_speedup, max_value, min_value"),
+    ({"text": "x", "min_speedup": 1, "max_value": 2}, "one number of"),
+    ({"text": "x", "min_speedup": "2"}, "one number of"),
+    ({"text": "x", "min_speedup": 2, "typo": 1}, "one number of"),
+    (3, "expected a target or a mapping"),
+])
+def test_a_malformed_target_names_the_file_and_the_entry(tmp_path, entry, words):
+    path = tmp_path / "targets.json"
+    path.write_text(json.dumps({"store": {"barrier": entry}}))
+    with pytest.raises(BenchError, match=rf"{path}: store\.barrier: .*{words}"):
+        common.load_targets("store", path)
+
+
+def test_a_missing_or_broken_targets_file_is_a_clear_error(tmp_path):
+    with pytest.raises(BenchError, match="cannot read the benchmark targets"):
+        common.load_targets("store", tmp_path / "none.json")
+    (tmp_path / "t.json").write_text("{")
+    with pytest.raises(BenchError, match="cannot read the benchmark targets"):
+        common.load_targets("store", tmp_path / "t.json")
+    (tmp_path / "t.json").write_text("{}")
+    with pytest.raises(BenchError, match="has no targets for 'store'"):
+        common.load_targets("store", tmp_path / "t.json")

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from distlib.bench import store as bench
+from distlib.tools.bench import store as bench
 from distlib.store.tcp import StoreServer, TCPStore
 
 SECTIONS = {"single client", "concurrent clients", "barrier", "connect storm", "FileStore"}
@@ -154,3 +154,29 @@ def test_connect_storm_child_connects_everyone():
 @pytest.mark.parametrize("prefix, i, key", [("k", 0, "k000000000000000"), ("c12.", 3, "c12.000000000003")])
 def test_keys_are_sixteen_bytes(prefix, i, key):
     assert bench._key(prefix, i) == key and len(key) == 16
+
+
+def test_the_security_section_measures_every_variant_on_its_transport(tmp_path):
+    """distlib against itself, with and without the token and TLS (a certificate made with
+    openssl for the run): every figure present for every variant, each client on the
+    transport its variant names (the run fails otherwise)."""
+    from distlib.tools.bench import store_security
+
+    if store_security.make_certificate(str(tmp_path)) is None:
+        pytest.skip("no openssl command to make the bench's certificate")
+    result = run_bench("--quick", "--no-torch", "--sections", "security", "--seconds", "0.05",
+                       "--security-connects", "5", "--json", "-", "--quiet")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["rows"] == [] and doc["failures"] == []
+    names = set(store_security.variant_names())
+    for row in doc["security"]:
+        measured = {name for name in names if row[name]["median"]}
+        assert measured == names, (row["name"], measured)
+    text = result.stderr
+    assert "security cost (distlib vs distlib)" in text and "tcp+token+tls" in text and "unix+token" in text
+    assert "[single client]" not in text  # not part of the comparison with torch
+
+
+def test_the_security_section_is_not_run_unless_asked():
+    assert "security" in bench.SECTIONS and "security" not in bench.build_parser().parse_args([]).sections

@@ -359,11 +359,28 @@ def bad_input_errors(rank, ws):
     return errors
 
 
-def mismatched_collectives(rank, ws, kind):
-    """On a fresh subgroup: ranks disagree; every rank must raise DistBackendError saying why."""
+def on_a_fresh_subgroup(ws, body):
+    """``body(group)`` on a new group of every rank, expected to fail: (its error text or
+    "no error", seconds, the default group's all_reduce of ones afterwards)."""
     group = dist.new_group(list(range(ws)))
     start = time.monotonic()
     try:
+        body(group)
+        outcome = "no error"
+    except dist.DistBackendError as exc:
+        outcome = str(exc)
+    elapsed = time.monotonic() - start
+    # the broken subgroup is destroyed; the default group keeps working
+    dist.destroy_process_group(group)
+    check = np.ones(1)
+    dist.all_reduce(check)
+    return outcome, elapsed, float(check[0])
+
+
+def mismatched_collectives(rank, ws, kind):
+    """On a fresh subgroup: ranks disagree; every rank must raise DistBackendError saying why."""
+
+    def body(group):
         if kind == "shape":
             dist.all_reduce(np.ones(10 + rank, np.float32), group=group)
         elif kind == "dtype":
@@ -375,15 +392,8 @@ def mismatched_collectives(rank, ws, kind):
                 dist.broadcast(np.ones(10, np.float32), src=0, group=group)
         elif kind == "large_shape":
             dist.all_reduce(np.ones(400_000 + rank, np.float32), group=group)
-        outcome = "no error"
-    except dist.DistBackendError as exc:
-        outcome = str(exc)
-    elapsed = time.monotonic() - start
-    # the broken subgroup is destroyed; the default group keeps working
-    dist.destroy_process_group(group)
-    check = np.ones(1)
-    dist.all_reduce(check)
-    return outcome, elapsed, float(check[0])
+
+    return on_a_fresh_subgroup(ws, body)
 
 
 def subgroup_cases(rank, ws, members):

@@ -22,9 +22,24 @@ from tests.fixtures.ports import free_port
 CASE_TIMEOUT = 120.0
 
 
-def _worker(rank: int, world_size: int, init_method: str, conn, env: Dict[str, str], timeout_s: float) -> None:
+def _set_constants(constants: Dict[str, Any]) -> None:
+    """Set module constants ("distlib.algorithms.context.PIPE_BYTES": 16384) in this process."""
+    import importlib
+
+    for dotted, value in constants.items():
+        module, _, name = dotted.rpartition(".")
+        target = importlib.import_module(module)
+        if not hasattr(target, name):
+            raise AttributeError(f"{module} has no constant {name} to set")
+        setattr(target, name, value)
+
+
+def _worker(rank: int, world_size: int, init_method: str, conn, env: Dict[str, str], timeout_s: float,
+            constants: Dict[str, Any]) -> None:
     os.environ.update(env)
     import distlib as dist
+
+    _set_constants(constants)
 
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
@@ -53,7 +68,7 @@ def _worker(rank: int, world_size: int, init_method: str, conn, env: Dict[str, s
 
 class WorkerPool:
     def __init__(self, world_size: int, init: str = "file", env: Optional[Dict[str, str]] = None,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, constants: Optional[Dict[str, Any]] = None):
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="distlib-pool-")
         if init == "file":
@@ -65,7 +80,8 @@ class WorkerPool:
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world_size, init_method, child, env or {}, timeout_s),
+            proc = ctx.Process(target=_worker, args=(rank, world_size, init_method, child, env or {}, timeout_s,
+                                                          constants or {}),
                                daemon=True, name=f"rank{rank}")
             proc.start()
             self._conns.append(parent)

@@ -10,13 +10,14 @@ from .harness import WorkerPool
 
 # 16 KiB pieces; 1 MiB of scratch: 300_007 float64 over 4 ranks is a 600 KB chunk, so the
 # window is 2 reduce steps of the 3, and a 1_000_003-element array takes the fresh-buffer path.
-ENV = {"DISTLIB_SHM": "0", "DISTLIB_PIPE_KB": "16", "DISTLIB_SCRATCH_MB": "1"}
+ENV = {"DISTLIB_SHM": "0"}
+CONSTANTS = {"distlib.algorithms.context.PIPE_BYTES": 16 << 10, "distlib.algorithms.context.SCRATCH_LIMIT": 1 << 20}
 SIZES = [70_001, 300_007, 1_000_003]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda ws: f"ws{ws}")
 def small_pieces_pool(request):
-    pool = WorkerPool(request.param, env=ENV)
+    pool = WorkerPool(request.param, env=ENV, constants=CONSTANTS)
     yield pool
     pool.close()
 

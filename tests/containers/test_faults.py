@@ -48,7 +48,7 @@ def test_workers_that_start_before_the_master_wait_and_succeed(distlib_image, do
     net = docker_network(internal=True)
     launch = ["distlib-run", "--nnodes", str(WORLD), "--node-rank", "auto", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", "master:29500", "--run-id", "early-1", "--rdzv-timeout", "90",
-              "-m", "distlib.jobs.check_collectives", "--timeout", "60"]
+              "-m", "distlib.tools.jobs.check_collectives", "--timeout", "60"]
     workers = start_ranks(container_factory, distlib_image, net, WORLD, command=lambda r: launch,
                           env=lambda r: {"DISTLIB_LOG_LEVEL": "INFO"})
     for ctr in workers.values():
@@ -56,7 +56,7 @@ def test_workers_that_start_before_the_master_wait_and_succeed(distlib_image, do
     time.sleep(6)
     for ctr in workers.values():
         assert ctr.get_wrapped_container().status == "running" or wait_exit(ctr, 1) == 0
-    container_factory(distlib_image, command=["distlib", "store-server", "--port", "29500"],
+    container_factory(distlib_image, command=["distlib", "store-server", "--host", "0.0.0.0", "--port", "29500"],
                       network=net, aliases=["master"], hostname="master")
     # Node ranks came from the master service (first come, first served): every rank once.
     seen = {}
@@ -114,7 +114,7 @@ def test_master_service_killed_while_ranks_wait(distlib_image, docker_network, c
     is SIGKILLed: each rank fails quickly with an error naming master:29500, no hang."""
     net = docker_network(internal=True)
     timeout = 120
-    master = container_factory(distlib_image, command=["distlib", "store-server", "--port", "29500"],
+    master = container_factory(distlib_image, command=["distlib", "store-server", "--host", "0.0.0.0", "--port", "29500"],
                                network=net, aliases=["master"], hostname="master")
     ranks = start_ranks(container_factory, distlib_image, net, WORLD, ranks=[0, 1, 2],
                         command=lambda r: CHECK + ["--timeout", str(timeout)],
@@ -212,11 +212,11 @@ def test_a_rank_that_never_joins(distlib_image, docker_network, container_factor
     after the group timeout with a DistStoreError naming the missing rank and its node."""
     net = docker_network(internal=True)
     timeout = 10
-    container_factory(distlib_image, command=["distlib", "store-server", "--port", "29500"],
+    container_factory(distlib_image, command=["distlib", "store-server", "--host", "0.0.0.0", "--port", "29500"],
                       network=net, aliases=["master"], hostname="master")
     launch = ["distlib-run", "--nnodes", str(WORLD), "--node-rank", "auto", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", "master:29500", "--run-id", "never-joins", "--rdzv-timeout", "60",
-              "-m", "distlib.jobs.check_collectives", "--timeout", str(timeout)]
+              "-m", "distlib.tools.jobs.check_collectives", "--timeout", str(timeout)]
     nodes = start_ranks(container_factory, distlib_image, net, WORLD, ranks=[0, 1, 2],
                         command=lambda r: launch, env=lambda r: {})
     for ctr in nodes.values():

@@ -1,4 +1,6 @@
-"""The distlib image itself (docker/Dockerfile target cpu, built by docker/build-image.sh).
+"""The distlib image itself (docker/Dockerfile target cpu), as `make image` builds it
+(docker/build-image.sh: docker/offline-prepare.sh, then the Dockerfile with --network=none) and
+as a plain `docker build -f docker/Dockerfile .` with pip's default index builds it.
 
 Needs a Docker engine (marker ``containers``); uses the fixtures of tests/fixtures/docker.py.
 The image under test is built once per session (or named by DISTLIB_TEST_IMAGE).
@@ -10,9 +12,10 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
-import tomllib
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -36,8 +39,8 @@ SIZE_BUDGET_BYTES = 350_000_000
 
 
 def repo_version() -> str:
-    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["project"]["version"]
+    """[project] version of pyproject.toml (a regex: Python 3.10 has no tomllib)."""
+    return re.search(r'^version = "([^"]+)"', (REPO_ROOT / "pyproject.toml").read_text(), re.M).group(1)
 
 
 def working_tree_sources() -> dict[str, str]:
@@ -121,6 +124,20 @@ def test_debugging_tools(box):
     assert "iproute2" in run_ok(box, "ip -V")
     assert "lo" in run_ok(box, "ip -o link show lo")
     assert "sleep" in run_ok(box, "ps -o comm= -p 1")
+
+
+def test_mpi_and_ssh_for_cluster_mode_mpi(box):
+    """What MODE=mpi runs: Open MPI and mpi4py from the wheels (the mpi extra), the SSH client
+    and server from Debian. No host keys are baked in (every container would share them)."""
+    assert run_ok(box, "command -v mpirun") == f"{VENV}/bin/mpirun"
+    assert run_ok(box, "command -v prted") == f"{VENV}/bin/prted"
+    out = run_ok(box, ["python", "-c", "from mpi4py import MPI; print(MPI.Get_library_version().split(',')[0])"])
+    assert out.startswith("Open MPI v5"), out
+    assert "OpenSSH" in run_ok(box, "ssh -V 2>&1")
+    for tool in ("ssh-keygen", "ssh-keyscan"):
+        run_ok(box, f"command -v {tool}")
+    run_ok(box, "test -x /usr/sbin/sshd")
+    assert run_ok(box, "ls /etc/ssh/ | grep -c '^ssh_host_' || true") == "0"
 
 
 # --- what is installed --------------------------------------------------------------------------
@@ -242,13 +259,15 @@ def test_base_image_debootstrap_explicit(docker_client, distlib_image):
 
 def test_base_image_custom_without_debug_tools(docker_client, distlib_image, image):
     """A base of our own making: the marker file it carries shows up in the image (BASE_IMAGE is
-    honoured), and although it lacks ip and ps (as python:3.11-slim does) the image has them,
-    installed from .deb files the host's apt fetched: the build itself ran with no network."""
+    honoured), and although it lacks ip, ps, ssh and sshd (as python:3.11-slim does) the image
+    has them, installed from .deb files the host's apt fetched: the build itself ran with no
+    network; the SSH host keys openssh-server's postinst makes are removed."""
     base_of_session_image = image.labels.get("distlib.base-image")
     assert base_of_session_image, "the image has no distlib.base-image label"
     host_apt = shutil.which("apt-get") and _host_codename() == "bookworm"
     strip_tools = (
-        "dpkg --purge iproute2 procps && ! command -v ip && ! command -v ps && "
+        "dpkg --purge openssh-server openssh-sftp-server openssh-client iproute2 procps && "
+        "! command -v ip && ! command -v ps && ! command -v ssh && ! test -e /usr/sbin/sshd && "
         if host_apt and base_of_session_image == DEBOOTSTRAP_BASE
         else ""
     )
@@ -261,7 +280,7 @@ def test_base_image_custom_without_debug_tools(docker_client, distlib_image, ima
     tag = temp_image_tag("on-custom-base")
     try:
         docker_client.images.build(
-            fileobj=io.BytesIO(dockerfile.encode()), tag=base_tag, pull=False, rm=True,
+            fileobj=io.BytesIO(dockerfile.encode()), tag=base_tag, pull=False, rm=True, forcerm=True,
             network_mode="none", labels=labelled(),
         )
         run_build_script(tag, base_image=base_tag)
@@ -271,13 +290,15 @@ def test_base_image_custom_without_debug_tools(docker_client, distlib_image, ima
         assert _layers(docker_client, tag)[: len(base_layers)] == base_layers
         out = docker_client.containers.run(
             tag,
-            ["sh", "-c", "cat /etc/distlib-test-base && ip -V && ps -p 1 -o comm= && id -u && "
+            ["sh", "-c", "cat /etc/distlib-test-base && ip -V && ps -p 1 -o comm= && ssh -V 2>&1 && "
+                         "test -x /usr/sbin/sshd && ! ls /etc/ssh/ssh_host_* 2>/dev/null && id -u && "
                          "python -c 'import distlib, numpy'"],
             remove=True, network_mode="none", labels=labelled(),
         ).decode()
         lines = out.strip().splitlines()
         assert lines[0] == "distlib-test-base"
         assert "iproute2" in lines[1]
+        assert "OpenSSH" in lines[3]  # and sshd, with no host keys baked in
         assert lines[-1] == "1000"
     finally:
         _remove_built_on(docker_client, base_tag)
@@ -287,10 +308,11 @@ def test_base_image_custom_without_debug_tools(docker_client, distlib_image, ima
 
 
 def _remove_built_on(docker_client, base: str) -> None:
-    """Drop the untagged venv-stage images (build cache) that a build on ``base`` left."""
-    filters = {"dangling": True, "label": ["distlib.stage=venv", f"distlib.base-image={base}"]}
+    """Drop the untagged stage images (wheelhouse, venv: build cache) that a build on ``base`` left."""
+    filters = {"dangling": True, "label": [f"distlib.base-image={base}"]}
     for img in docker_client.images.list(filters=filters):
-        docker_client.images.remove(img.id, force=True)
+        if img.labels.get("distlib.stage"):
+            docker_client.images.remove(img.id, force=True)
 
 
 def _exists(docker_client, ref: str) -> bool:
@@ -312,3 +334,79 @@ def _host_codename() -> str:
         pass
     return ""
 
+
+
+# --- the two ways to build -------------------------------------------------------------------------
+
+
+def test_the_offline_step_lays_out_a_context_shaped_like_the_repository(image):
+    """docker/offline-prepare.sh on its own, for the session image's base (seconds: nothing
+    changed since the session's build): the working tree's sources, the prepared wheelhouse in
+    docker/offline/wheels/, and the build's arguments for the Dockerfile."""
+    base = image.labels["distlib.base-image"]
+    env = {k: v for k, v in os.environ.items() if k != "IMAGE"}
+    env.update(BASE_IMAGE=base, DISTLIB_NO_PULL="1")
+    done = subprocess.run(["bash", str(REPO_ROOT / "docker" / "offline-prepare.sh")], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""  # logs on stderr only
+    context = REPO_ROOT / ".build" / "image-context"
+    wheels = context / "docker" / "offline" / "wheels"
+    assert (wheels / "app" / "requirements.txt").read_text().strip() == f"distlib_c10d=={repo_version()}"
+    deps = (wheels / "deps" / "requirements.txt").read_text().split()
+    assert any(d.startswith("numpy==") for d in deps), deps
+    for rel, digest in working_tree_sources().items():
+        assert hashlib.sha256((context / "distlib" / rel).read_bytes()).hexdigest() == digest, rel
+    build_env = dict(line.split("=", 1) for line in (REPO_ROOT / ".build" / "image-build.env").read_text().split())
+    assert build_env["BASE_IMAGE"] == base
+    assert build_env["DISTLIB_VERSION"] == repo_version()
+    assert build_env["BUILD_NETWORK"] in ("none", "default")
+
+
+def test_a_plain_build_with_pips_default_index(docker_client, distlib_image, image):
+    """`docker build -f docker/Dockerfile .` from the checkout, as a user with a registry and an
+    index runs it: no prepared wheelhouse, the wheels come from pip's default index. Built on
+    the session image's base (there is no registry here to give python:3.11-slim), to which the
+    host's CA bundle is added when it has one: behind a TLS-inspecting proxy, pip in a container
+    trusts what the host trusts only that way. Skipped when no index answers inside a build."""
+    import docker
+
+    base = image.labels["distlib.base-image"]
+    ca = Path("/etc/ssl/certs/ca-certificates.crt")
+    base_tag, tag = temp_image_tag("plain-base"), temp_image_tag("plain-build")
+    dockerfile = f"FROM {base}\n" + ("COPY ca.crt /etc/ssl/certs/ca-certificates.crt\n"
+                                     "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt\n" if ca.is_file() else "")
+    context = io.BytesIO()
+    with tarfile.open(fileobj=context, mode="w") as tar:
+        for name, data in [("Dockerfile", dockerfile.encode())] + ([("ca.crt", ca.read_bytes())] if ca.is_file() else []):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    context.seek(0)
+    try:
+        docker_client.images.build(fileobj=context, custom_context=True, tag=base_tag, pull=False, rm=True,
+                                   labels=labelled())
+        try:
+            built, log = docker_client.images.build(path=str(REPO_ROOT), dockerfile="docker/Dockerfile", tag=tag,
+                                                    buildargs={"BASE_IMAGE": base_tag}, target="cpu", pull=False,
+                                                    rm=True, forcerm=True, timeout=900)
+        except docker.errors.BuildError as exc:
+            text = "".join(str(chunk.get("stream", chunk.get("error", ""))) for chunk in exc.build_log)
+            if re.search(r"Could not find a version|Network is unreachable|Temporary failure in name resolution"
+                         r"|Could not fetch URL|No matching distribution", text):
+                pytest.skip("no package index answers inside a build here: " + text.strip().splitlines()[-1][:200])
+            raise
+        text = "".join(str(chunk.get("stream", "")) for chunk in log)
+        assert not re.search(r"^wheelhouse: the one docker/offline-prepare.sh made", text, re.M)  # its echo
+        assert re.search(r"Saved \S*numpy-[\d.]+-cp311-cp311-manylinux\S*\.whl", text), text[-3000:]
+        out = docker_client.containers.run(
+            tag, ["sh", "-c", "id -u && distlib --help | head -n 1 && python -c 'import distlib, numpy; "
+                              "print(distlib.__file__)'"],
+            remove=True, network_mode="none", labels=labelled()).decode().split()
+        assert out[0] == "1000" and out[1] == "usage:" and out[-1].startswith(f"{VENV}/lib/python3.11/site-packages/")
+        assert built.attrs["Config"]["User"] == "1000:1000"
+    finally:
+        _remove_built_on(docker_client, base_tag)
+        for ref in (tag, base_tag):
+            if _exists(docker_client, ref):
+                docker_client.images.remove(ref, force=True)

@@ -1,6 +1,6 @@
 """Cross-container rendezvous: 4 ranks, each in its own container (its own host name, network
 namespace and /dev/shm) on a private network, for every init method — then an all_reduce and
-an all_gather whose results every rank checks (distlib/jobs/check_collectives.py).
+an all_gather whose results every rank checks (distlib/tools/jobs/check_collectives.py).
 
 Needs a Docker engine (marker ``containers``); the image is built once per session.
 """
@@ -47,7 +47,7 @@ def test_tcp_rendezvous_through_the_master_service(distlib_image, docker_network
     """A dedicated `distlib store-server` container; every rank (rank 0 too) is its client,
     and the job's keys live under its run id."""
     net = docker_network(internal=True)
-    master = container_factory(distlib_image, command=["distlib", "store-server", "--port", "29500"],
+    master = container_factory(distlib_image, command=["distlib", "store-server", "--host", "0.0.0.0", "--port", "29500"],
                                network=net, aliases=["master"], hostname="master")
     ranks = start_ranks(
         container_factory, distlib_image, net, WORLD,

@@ -9,7 +9,9 @@ import time
 from typing import Dict, List, Optional
 
 import pytest
-from tests.fixtures.ports import free_port
+
+from distlib.tools.store_service import StoreServerProcess
+from tests.fixtures.ports import free_port  # noqa: F401 - the launcher tests take it from here
 
 #: Variables a cluster or an outer launcher may have set in the test runner's environment; the
 #: launcher would read them (that is its job), so the tests start from an environment without.
@@ -53,22 +55,8 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.fixture
 def store_server():
     """A `distlib store-server` subprocess on a free port of 127.0.0.1; yields the port."""
-    from distlib.launcher.master import check_answers
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "distlib.cli", "store-server", "--host", "127.0.0.1",
-                             "--port", str(port)], env=clean_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        check_answers("127.0.0.1", port, 15)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    with StoreServerProcess("127.0.0.1", env=clean_env()) as server:
+        yield server.port
 
 
 def pid_alive(pid: int) -> bool:

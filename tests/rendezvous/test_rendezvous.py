@@ -1,8 +1,8 @@
 """distlib.rendezvous against torch 2.13's behaviour and texts.
 
-Expected texts come from ../shared/spec/c10d-rendezvous.md §1-2 and the capture
-../shared/spec/captures/rendezvous.txt (torch 2.13.0+cpu); each test names the capture case it
-pins where there is one. The external-store mode (distlib's addition) is tested at the end.
+Expected texts are torch 2.13.0+cpu's, as docs/torch-rules.md §1-2 lists them; each test names
+the call of torch's that it mirrors where there is one (a comment after its name). The
+external-store mode (distlib's addition) is tested at the end.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def file_error(detail: str) -> str:
     return re.escape(f"Error initializing torch.distributed using file:// rendezvous: {detail}")
 
 
-# -- the entry point (spec §1.1, §1.2) ------------------------------------------------------------
+# -- the entry point (docs/torch-rules.md §1) ------------------------------------------------------------
 
 
 def test_unknown_scheme():  # rendezvous('invalid://')
@@ -144,7 +144,7 @@ def test_handler_errors_surface_on_first_next():
         next(gen)
 
 
-# -- env:// (spec §2.1) ----------------------------------------------------------------------------
+# -- env:// (docs/torch-rules.md §2) ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("present, missing", [
@@ -253,7 +253,7 @@ def test_env_two_ranks_meet(monkeypatch, opened):
     assert store0.get("from1") == b"x"
 
 
-# -- tcp:// (spec §2.2) ---------------------------------------------------------------------------
+# -- tcp:// (docs/torch-rules.md §2) ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("url, detail", [
@@ -346,7 +346,7 @@ def test_tcp_unresolvable_host():  # tcp://dnsnotexist:23456?world_size=2&rank=0
     assert isinstance(info.value, DistError)
 
 
-# -- file:// (spec §2.3) ----------------------------------------------------------------------------
+# -- file:// (docs/torch-rules.md §2) ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("url, detail", [
@@ -456,7 +456,7 @@ def test_two_runs_share_one_service_without_meeting(monkeypatch, opened, service
 
 def test_agent_store_must_be_the_string_true(opened, service):
     """TORCHELASTIC_USE_AGENT_STORE=1 is not "True": rank 0 tries to host on the taken port
-    (capture: 'TORCHELASTIC_USE_AGENT_STORE=1 ... rank 0 tries to host on a used port')."""
+    (torch 2.13 does the same: docs/torch-rules.md §2, the TCPStore of env:// and tcp://)."""
     import os
 
     port, _ = service

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from distlib.store.tcp import StoreServer
-from distlib.store.tcp import protocol as proto
+from distlib.store.tcp import codec as proto
 from distlib.store.tcp.batch import FRAME_CACHE_SIZE, MIN_EVENTS, PARALLEL_MIN, SLICE, FanOut, frame_kind
 from distlib.store.tcp.server import CONN_EVENTS, Connection
 
@@ -116,7 +116,7 @@ def test_adds_in_one_turn_get_the_values_of_their_order(turns):
     c.sendall(proto.add(b"k", 5))
     turns.turn(c, a, b)
     assert [i64(recv_exact(s, 8)) for s in (c, a, b)] == [5, 6, 7]
-    assert turns.server.data[b"k"] == b"7"
+    assert turns.server.state.data[b"k"] == b"7"
 
 
 def test_adds_on_several_keys_and_waits_between_them_see_every_add_before_them(turns):
@@ -124,7 +124,7 @@ def test_adds_on_several_keys_and_waits_between_them_see_every_add_before_them(t
     run ends: a WAIT, an ADD on another key, a waiter and the general path must still see
     each ADD before them."""
     server = turns.server
-    server.data[b"near-max"] = b"%d" % (MAX_I64 - 1)
+    server.state.data[b"near-max"] = b"%d" % (MAX_I64 - 1)
     old_waiter = turns.client()[0]
     old_waiter.sendall(wait(b"k1"))
     turns.turn(old_waiter)
@@ -145,8 +145,8 @@ def test_adds_on_several_keys_and_waits_between_them_see_every_add_before_them(t
     assert [i64(recv_exact(c[i], 8)) for i in (0, 1, 3, 4, 6, 7, 8)] == [1, 2, 3, 3, 4, MAX_I64, -(1 << 63)]
     assert i64(recv_exact(c[9], 8)) == 5
     assert recv_exact(c[2], 1) == recv_exact(c[5], 1) == recv_exact(c[10], 1) == bytes([proto.STOP_WAITING])
-    assert (server.data[b"k1"], server.data[b"k2"], server.data[b"near-max"]) == (b"4", b"3", b"%d" % -(1 << 63))
-    assert not server.waiters
+    assert (server.state.data[b"k1"], server.state.data[b"k2"], server.state.data[b"near-max"]) == (b"4", b"3", b"%d" % -(1 << 63))
+    assert not server.state.waiters
 
 
 def test_the_batch_path_takes_plain_add_and_wait_turns(batched):
@@ -156,7 +156,7 @@ def test_the_batch_path_takes_plain_add_and_wait_turns(batched):
     batched.turn(a, b)
     assert i64(recv_exact(a, 8)) == 2
     assert set(batched.server.batch.frames) == {proto.add(b"k", 2), wait(b"k2")}
-    assert batched.conns[1].wait_count == 1 and batched.server.waiters[b"k2"] == [batched.conns[1]]
+    assert batched.conns[1].wait_count == 1 and batched.server.state.waiters[b"k2"] == [batched.conns[1]]
 
 
 def test_small_turns_go_through_the_general_path():
@@ -201,7 +201,7 @@ def test_waiters_are_released_together_and_can_go_on(turns):
     setter.sendall(proto.set_(b"done", b"1"))
     turns.turn(setter)
     assert [recv_exact(w, 1) for w in waiters] == [bytes([proto.STOP_WAITING])] * 5
-    assert b"done" not in turns.server.waiters
+    assert b"done" not in turns.server.state.waiters
     assert all(c.wait_count == 0 and not c.wait_keys for c in turns.conns)
     waiters[0].sendall(proto.add(b"n", 3))  # a released connection runs its next request
     turns.turn(waiters[0])
@@ -242,16 +242,16 @@ def test_a_multi_key_waiter_is_released_only_by_its_last_key(turns):
 
 
 def test_add_wraps_at_int64_as_the_general_path_does(turns):
-    turns.server.data[b"k"] = b"%d" % MAX_I64
+    turns.server.state.data[b"k"] = b"%d" % MAX_I64
     a = turns.client()[0]
     a.sendall(proto.add(b"k", 1))
     turns.turn(a)
     assert i64(recv_exact(a, 8)) == -(1 << 63)
-    assert turns.server.data[b"k"] == b"%d" % -(1 << 63)
+    assert turns.server.state.data[b"k"] == b"%d" % -(1 << 63)
 
 
 def test_add_that_overflows_a_short_counter_wraps(turns):
-    turns.server.data[b"k"] = b"5"
+    turns.server.state.data[b"k"] = b"5"
     a = turns.client()[0]
     a.sendall(proto.add(b"k", MAX_I64))
     turns.turn(a)
@@ -275,22 +275,25 @@ def test_a_request_behind_a_pending_wait_waits_for_it(turns):
 
 
 def test_add_on_a_value_that_is_not_a_number_closes_only_that_client(turns):
-    turns.server.data[b"text"] = b"hello"
+    turns.server.state.data[b"text"] = b"hello"
     bad, good = (turns.client()[0] for _ in range(2))
     bad.sendall(proto.add(b"text", 1))
     good.sendall(proto.add(b"k", 1))
     turns.turn(bad, good)
     assert bad.recv(8) == b""  # closed
     assert i64(recv_exact(good, 8)) == 1
-    assert turns.server.data[b"text"] == b"hello"
+    assert turns.server.state.data[b"text"] == b"hello"
 
 
-def test_negative_counters_go_through_the_general_parse(turns):
-    turns.server.data[b"k"] = b"-5"
-    a = turns.client()[0]
+def test_counters_that_are_not_plain_digits_are_read_with_strtoll_rules(turns):
+    turns.server.state.data[b"k"] = b"-5"
+    turns.server.state.data[b"j"] = b" 7xyz"
+    a, b = (turns.client()[0] for _ in range(2))
     a.sendall(proto.add(b"k", 2))
-    turns.turn(a)
+    b.sendall(proto.add(b"j", 1))
+    turns.turn(a, b)
     assert i64(recv_exact(a, 8)) == -3
+    assert i64(recv_exact(b, 8)) == 8
 
 
 def test_a_partial_frame_waits_for_its_rest(turns):
@@ -335,7 +338,7 @@ def test_a_client_gone_in_the_middle_of_a_turn_is_closed_and_forgotten(turns):
     turns.turn(a, b, c)
     assert i64(recv_exact(a, 8)) == 1
     assert turns.conns[1].closed and turns.conns[1].fd not in turns.server.conns
-    assert turns.server.waiters[b"d"] == [turns.conns[2]]
+    assert turns.server.state.waiters[b"d"] == [turns.conns[2]]
 
 
 def test_a_reset_connection_in_the_middle_of_a_turn_is_closed_with_a_log_line(turns, caplog):
@@ -472,13 +475,15 @@ def test_fan_out_raises_what_a_slice_raised():
 
 
 def test_frame_kind_knows_exactly_one_complete_add_or_single_key_wait():
-    assert frame_kind(proto.add(b"k", -3), 8192) == (proto.Op.ADD, b"k", -3)
-    assert frame_kind(wait(b"k"), 8192) == (proto.Op.WAIT, b"k", 0)
-    assert frame_kind(proto.add(b"k", 1)[:-1], 8192) is None  # truncated
-    assert frame_kind(proto.add(b"k", 1) * 2, 8192) is None  # two requests
-    assert frame_kind(proto.keys_request(proto.Op.WAIT, [b"a", b"b"]), 8192) is None
-    assert frame_kind(proto.set_(b"k", b"v" * 20), 8192) is None
-    assert frame_kind(proto.add(b"k" * 20, 1), 10) is None  # over the key limit
+    limits = proto.Limits()
+    assert frame_kind(proto.add(b"k", -3), limits) == (proto.Op.ADD, b"k", -3)
+    assert frame_kind(wait(b"k"), limits) == (proto.Op.WAIT, b"k", 0)
+    assert frame_kind(proto.add(b"k", 1)[:-1], limits) is None  # truncated
+    assert frame_kind(proto.add(b"k", 1) * 2, limits) is None  # two requests
+    assert frame_kind(proto.keys_request(proto.Op.WAIT, [b"a", b"b"]), limits) is None
+    assert frame_kind(proto.set_(b"k", b"v" * 20), limits) is None
+    assert frame_kind(proto.add(proto.WORKER_COUNTER_KEY, 1), limits) is None  # the master counts workers
+    assert frame_kind(proto.add(b"k" * 20, 1), proto.Limits(max_key=10)) is None  # over the key limit
 
 
 def test_the_frame_cache_is_bounded(batched):
@@ -488,9 +493,8 @@ def test_the_frame_cache_is_bounded(batched):
     assert 0 < len(path.frames) <= FRAME_CACHE_SIZE
 
 
-def test_batch_path_off_by_environment(monkeypatch):
-    monkeypatch.setenv("DISTLIB_STORE_BATCH", "0")
-    server = StoreServer("127.0.0.1", 0)
+def test_batch_path_off_by_argument():
+    server = StoreServer("127.0.0.1", 0, batch_path=False)
     try:
         assert server.batch is None
     finally:

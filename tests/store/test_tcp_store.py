@@ -16,7 +16,7 @@ import pytest
 
 from distlib import DistNetworkError, DistStoreError
 from distlib.store.tcp import TCPStore
-from distlib.store.tcp import protocol as proto
+from distlib.store.tcp import codec as proto
 
 from .scripted_server import ScriptedServer
 

@@ -3,31 +3,36 @@
 Why it exists: on a barrier of thousands of ranks (each ADDs one counter, then WAITs for one
 key; torch's own store barrier has this shape), the server's time is nearly all kernel work
 (recv, send, waking the clients) plus the interpreter's work per request. The general path
-(``StoreServer._read_once`` and an ``_op_*`` handler per request, ``_flush`` per reply) runs
-about 150 bytecodes and 4 Python calls per request. Here, the recv()s and send()s of a whole
-turn are ``map`` calls over the sockets (no bytecode per socket), a request is recognised by
-looking its exact bytes up in a dict of frames seen before, and what is left per request is
-a short loop body. A turn with many replies to send (the release of thousands of waiters
-above all) is sent by ``send_replies``: C-level loops, split across threads (``FanOut``).
+(a recv, a handler per request, a send per reply) runs about 150 bytecodes and 4 Python
+calls per request. Here, the recv()s and send()s of a whole turn are ``map`` calls over the
+sockets (no bytecode per socket), a request is recognised by looking its exact bytes up in a
+dict of frames seen before, and what is left per request is a short loop body. A turn with
+many replies to send (the release of thousands of waiters above all) is sent by
+``send_replies``: C-level loops, split across threads (``FanOut``).
 
-Contract with server.py (what keeps the two paths one behaviour):
+Contract with the server (what keeps the two paths one behaviour):
 
-* ``StoreServer._turn`` offers ``run`` only turns of at least ``min_events`` events, and
-  ``run`` takes a turn only when every event is a plain EPOLLIN on a connection in
-  the plain state (``_PLAIN``: validated, nothing partial, nothing held, no wait, nothing
-  pending, no unsent replies); otherwise it returns False and the general loop takes the turn.
-* A received frame runs here only if it is exactly one complete request of a kind
-  ``frame_kind`` knows (ADD on any key but the worker counter, WAIT on one key). At the
-  first one that is not, that event and every later one go through the general path, in
-  order, with the bytes already received: requests keep their arrival order.
-* ADD does what ``StoreServer._add_to`` does (int64 wrap-around, the value stored as
-  decimal and waiters woken through ``StoreServer._store_counter``), for a run of ADDs on
-  one key as a running sum stored once, before anything else in the turn looks at it;
-  counters that are not plain decimal go to the general path, which owns the parse errors. WAIT answers at once or registers through ``StoreServer._wait_for``, as
-  ``_op_wait`` does for one key.
-* Replies go where the general path puts them (``out``, then ``_flush`` at the end of the
-  turn); ``_flush`` hands a large turn's single replies to ``send_replies`` and keeps
-  partial sends, send errors and everything else to itself.
+* The server offers a turn only if it has at least ``min_events`` events; ``take`` accepts
+  it only when every event is a plain EPOLLIN on a connection in the plain state
+  (``_PLAIN``: validated, nothing partial, nothing held, no wait, nothing pending, no unsent
+  replies, not TLS). Otherwise the server's general loop takes the turn.
+* ``run`` receives once from every connection and runs a received frame only if it is
+  exactly one complete request of a kind ``frame_kind`` knows (ADD on any key but the worker
+  counter, WAIT on one key). At the first one that is not, it stops, and the server runs
+  that frame and every later one through the general path, in order, with the bytes already
+  received: requests keep their arrival order.
+* Requests run through the state's public methods only (state.py): the ADDs of a turn on
+  one key are one ``add_many`` (one parse and one store; each reply is still the value
+  after that ADD), stored when an ADD on another key comes or the run ends, before anything
+  else in the turn looks at the key; a counter the state refuses (not a number) stops the
+  batch there, so the general path reports it. A WAIT is ``state.wait``.
+* Replies go where the general path puts them (each connection's ``out``, and the turn's
+  ``dirty`` list); the server sends them at the end of the turn and hands a large turn's
+  single replies to ``send_replies``, keeping partial sends, send errors and everything else
+  to itself.
+
+Connections are duck-typed (``sock``, ``out`` and the attributes of ``_PLAIN``): this
+module imports neither the server nor anything that imports it.
 """
 
 from __future__ import annotations
@@ -39,19 +44,14 @@ import threading
 from collections import deque
 from itertools import count, repeat
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...cpus import usable_cpus
-from ..base import INT64_MAX, INT64_MIN, wrap_int64
-from .protocol import I64, STOP_WAITING, U64, WORKER_COUNTER_KEY, Op
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .server import Connection, StoreServer
+from .codec import I64, STOP_WAITING, WORKER_COUNTER_KEY, Limits, Op, ProtocolError, read_key_i64, read_keys
+from .state import KeyValueState, StateError
 
 _ADD = int(Op.ADD)
 _WAIT = int(Op.WAIT)
-_u64_from = U64.unpack_from
-_i64_from = I64.unpack_from
 _pack_i64 = I64.pack
 _STOP = bytes([STOP_WAITING])
 _EPOLLIN = select.EPOLLIN
@@ -59,16 +59,17 @@ _EPOLLIN = select.EPOLLIN
 _fd_of = itemgetter(0)
 _events_of = itemgetter(1)
 _sock_of = attrgetter("sock")
+_out_of = attrgetter("out")
+_append = list.append
 _recv = socket.socket.recv  # the C methods, so that map() calls them without bytecode
 _send = socket.socket.send
 #: A connection in this state has no partial request, nothing queued behind a wait, no
 #: pending wait, no unsent output and no replies produced this turn.
-_plain_state = attrgetter("validated", "inbuf", "held", "wait_count", "pending", "closed", "out")
-_PLAIN = (True, None, None, 0, None, False, [])
+_plain_state = attrgetter("validated", "inbuf", "held", "wait_count", "pending", "closed", "out", "tls")
+_PLAIN = (True, None, None, 0, None, False, [], False)  # (TLS: its sockets are not socket.socket)
 
 #: Turns of fewer events go through the general path. The batch path's own work per turn
-#: (a few passes over the events, a frame lookup) pays off only over several requests: for a
-#: single client's request it added about 0.5-1 us to a 5-10 us round trip.
+#: (a few passes over the events, a frame lookup) pays off only over several requests.
 MIN_EVENTS = 8
 #: Threads (the loop's included) that share a large turn's socket calls, at most.
 MAX_THREADS = 4
@@ -78,38 +79,37 @@ FRAME_CACHE_SIZE = 4096
 Kind = Tuple[int, bytes, int]  # (opcode, key, ADD delta or 0)
 
 
-def frame_kind(frame: bytes, max_key: int) -> Optional[Kind]:
+def frame_kind(frame: bytes, limits: Limits) -> Optional[Kind]:
     """(opcode, key, delta) if ``frame`` is exactly one complete ADD (not on the worker
-    counter) or one single-key WAIT within the key limit; else None."""
+    counter) or one single-key WAIT within ``limits``; else None."""
     size = len(frame)
     if size < 17:
         return None
     op = frame[0]
-    if op == _ADD:
-        n = _u64_from(frame, 1)[0]
-        if n > max_key or size != 17 + n:
-            return None
-        key = frame[9 : 9 + n]
-        if key == WORKER_COUNTER_KEY:  # the master counts its workers: general path
-            return None
-        return _ADD, key, _i64_from(frame, 9 + n)[0]
-    if op == _WAIT:
-        if _u64_from(frame, 1)[0] != 1:
-            return None
-        n = _u64_from(frame, 9)[0]
-        if n > max_key or size != 17 + n:
-            return None
-        return _WAIT, frame[17:], 0
+    try:
+        if op == _ADD:
+            key, delta, end = read_key_i64(frame, 1, size, limits)
+            if end != size or key == WORKER_COUNTER_KEY:  # the master counts its workers
+                return None
+            return _ADD, key, delta
+        if op == _WAIT:
+            keys, end = read_keys(frame, 1, size, limits)
+            if end != size or len(keys) != 1:
+                return None
+            return _WAIT, keys[0], 0
+    except ProtocolError:  # over a limit: the general path closes the connection
+        return None
     return None
 
 
 class BatchPath:
-    """The batch path of one StoreServer (see the module docstring)."""
+    """The batch path of one server's state (see the module docstring)."""
 
-    def __init__(self, server: "StoreServer"):
-        self.server = server
+    def __init__(self, state: KeyValueState, limits: Limits):
+        self.state = state
+        self.limits = limits
         self.frames: Dict[bytes, Optional[Kind]] = {}
-        #: ``StoreServer._turn`` offers a turn to ``run`` only if it has this many events.
+        #: The server offers a turn to ``take`` only if it has this many events.
         self.min_events = MIN_EVENTS
         self.helpers = min(usable_cpus(), MAX_THREADS) - 1
         self._pool: Optional[FanOut] = None
@@ -128,39 +128,45 @@ class BatchPath:
 
     def kind(self, frame: bytes) -> Optional[Kind]:
         """``frame_kind``, remembered (a barrier sends the same few frames thousands of times)."""
-        kind = frame_kind(frame, self.server.limits.max_key)
+        kind = frame_kind(frame, self.limits)
         if kind is not None:
             if len(self.frames) >= FRAME_CACHE_SIZE:
                 self.frames.clear()
             self.frames[frame] = kind
         return kind
 
-    def run(self, events: Sequence[Tuple[int, int]], ep, recv_size: int) -> bool:
-        """Run the turn ``events`` if it may (see the module docstring); whether it did."""
-        server = self.server
+    def take(self, events: Sequence[Tuple[int, int]], conns: Dict[int, object]) -> Optional[list]:
+        """The connections of the turn ``events`` (in order) if the batch path may run it,
+        else None (a listener or the wake-up pipe, an event other than EPOLLIN, a
+        connection not in the plain state)."""
         n = len(events)
-        conns: List["Connection"] = list(map(server.conns.get, map(_fd_of, events)))
-        if None in conns:  # a listener or the wake-up pipe
-            return False
+        taken = list(map(conns.get, map(_fd_of, events)))
+        if None in taken:
+            return None
         if list(map(_events_of, events)).count(_EPOLLIN) != n:
-            return False
-        if list(map(_plain_state, conns)).count(_PLAIN) != n:
-            return False
+            return None
+        if list(map(_plain_state, taken)).count(_PLAIN) != n:
+            return None
+        return taken
+
+    def run(self, conns: list, recv_size: int, dirty: list) -> Tuple[int, list]:
+        """recv(recv_size) once on every connection, then run the leading frames it knows.
+
+        Returns (how many connections' frames ran, what each recv returned: bytes, the
+        exception of the first recv that failed, None for those after it). Connections
+        with a reply are appended to ``dirty``. The server runs the rest.
+        """
         # One thread: recv() is cheap beside send(), and splitting it measured no faster.
         results = _recv_part(list(map(_sock_of, conns)), recv_size)
-
-        data = server.data
-        wait_for = server._wait_for
-        store_counter = server._store_counter
-        queues = server.queues
+        state = self.state
+        wait = state.wait
         known = self.frames.get
-        dirty = server._dirty
         done = 0
-        # ADDs on one key (a barrier's arrivals, WAITs between them): a running sum, stored
-        # once, when an ADD on another key or the batch ends; each ADD's reply is the sum
-        # after it, as if each were stored.
-        counter_key = None
-        total = 0
+        # A run of ADDs on one key (a barrier's arrivals, WAITs between them): one add_many
+        # when an ADD on another key comes or the batch ends.
+        run_key = None
+        run_deltas: List[int] = []
+        run_conns: list = []
         for conn, frame in zip(conns, results):
             kind = known(frame)
             if kind is None:
@@ -171,47 +177,51 @@ class BatchPath:
                     break
             op, key, delta = kind
             if op == _ADD:
-                if key != counter_key:
-                    if counter_key is not None:
-                        store_counter(counter_key, total)
-                        counter_key = None
-                    old = data.get(key)
-                    if old is None:
-                        total = 0
-                    elif old.isdigit() and len(old) < 19:
-                        total = int(old)
-                    else:
-                        break  # not a plain decimal counter: _op_add parses (and rejects) it
-                    counter_key = key
-                total += delta
-                if total > INT64_MAX or total < INT64_MIN:
-                    total = wrap_int64(total)
-                conn.out.append(_pack_i64(total))
-                dirty.append(conn)
-            elif key in data or queues.get(key):
+                if key != run_key:
+                    if run_key is not None:
+                        _store_run(state, run_key, run_deltas, run_conns, dirty)
+                        run_key = None
+                    try:
+                        state.counter(key)
+                    except StateError:
+                        break  # the general path reports it
+                    run_key, run_deltas, run_conns = key, [], []
+                run_deltas.append(delta)
+                run_conns.append(conn)
+            elif wait(conn, [key]):  # (on a counter not stored yet: the run's store wakes it)
                 conn.out.append(_STOP)
                 dirty.append(conn)
-            else:  # (on a counter not stored yet: the store at the end of the run wakes it)
-                wait_for(conn, [key])
             done += 1
-        if counter_key is not None:
-            store_counter(counter_key, total)
+        if run_key is not None:
+            _store_run(state, run_key, run_deltas, run_conns, dirty)
+        return done, results
 
-        for i in range(done, n):  # the rest, in order, through the general path
-            conn = conns[i]
-            if conn.closed:
-                continue
-            result = results[i]
-            if result is None:  # not read (the recv() of an earlier socket failed)
-                more = server._read_once(conn, ep, _EPOLLIN)
-            elif result.__class__ is bytes:
-                more = server._consume(conn, ep, _EPOLLIN, result, recv_size)
-            else:
-                server._recv_failed(conn, ep, result)
-                more = False
-            if more:
-                server._on_readable(conn, ep, _EPOLLIN)
-        return True
+    def send_replies(self, conns: list, replies: List[bytes]) -> list:
+        """Send ``replies[i]`` to ``conns[i]`` (each connection once, nothing pending), all
+        with C-level loops (several threads for a large fan-out). Returns the connections
+        whose reply a send() did not take whole (a full socket buffer, an error), with the
+        rest put back in their ``out``, for the server's general path."""
+        socks = list(map(_sock_of, conns))
+        pool = self.pool if len(socks) >= PARALLEL_MIN else None
+        if pool is not None:
+            sent = pool.map_parts(_send_part, socks, replies)
+        else:
+            sent = _send_part(socks, replies)
+        if sent == list(map(len, replies)):
+            return []
+        rest = []
+        for conn, reply, taken in zip(conns, replies, sent):
+            if taken < len(reply) and not conn.closed:
+                conn.out.append(reply[taken:])
+                rest.append(conn)
+        return rest
+
+
+def _store_run(state: KeyValueState, key: bytes, deltas: List[int], conns: list, dirty: list) -> None:
+    """The ADDs of one run: one ``add_many``, each connection's reply its own value (a
+    C-level loop: ``out.append(pack(value))`` for every connection of the run)."""
+    list(map(_append, map(_out_of, conns), map(_pack_i64, state.add_many(key, deltas))))
+    dirty += conns
 
 
 #: A fan-out of at least this many replies is split across the threads (FanOut).
@@ -321,22 +331,3 @@ def _send_part(socks: Sequence[socket.socket], replies: Sequence[bytes]) -> List
         sent.extend(repeat(0, len(socks) - len(sent)))
     return sent
 
-
-def send_replies(server: "StoreServer", conns: Sequence["Connection"], replies: List[bytes]) -> None:
-    """Send ``replies[i]`` to ``conns[i]`` (each connection once, nothing pending), all
-    with C-level loops (several threads for a large fan-out). Any reply a send() did not
-    take whole (a full socket buffer, an error) goes back to that connection's ``out`` and
-    onto ``server._dirty``, for ``_flush``'s general path."""
-    socks = list(map(_sock_of, conns))
-    pool = server.batch.pool if len(socks) >= PARALLEL_MIN else None
-    if pool is not None:
-        sent = pool.map_parts(_send_part, socks, replies)
-    else:
-        sent = _send_part(socks, replies)
-    if sent == list(map(len, replies)):
-        return
-    dirty = server._dirty
-    for conn, reply, taken in zip(conns, replies, sent):
-        if taken < len(reply) and not conn.closed:
-            conn.out.append(reply[taken:])
-            dirty.append(conn)

@@ -1,30 +1,36 @@
 """``TCPStore``: torch's TCPStore client (and, with ``is_master=True``, its server), in Python.
 
-Speaks the c10d wire protocol (protocol.py) to a torch 2.x server or a distlib server; a torch
-client works against a distlib server. Constructor, methods, return types and exceptions are
-torch's (``TCPStore(host_name, port, world_size=None, is_master=False,
-timeout=timedelta(seconds=300), wait_for_workers=True, multi_tenant=False,
-master_listen_fd=None, use_libuv=True)``).
+Speaks the c10d wire protocol (codec.py, docs/wire-protocol.md) to a torch 2.x server or a
+distlib server; a torch client works against a distlib server. Constructor, methods, return
+types and exceptions are torch's (``TCPStore(host_name, port, world_size=None,
+is_master=False, timeout=timedelta(seconds=300), wait_for_workers=True, multi_tenant=False,
+master_listen_fd=None, use_libuv=True)``), plus one keyword of distlib's own, ``security``
+(the token and TLS settings; by default the environment's, docs/security.md).
 
 What it does beyond torch, and why:
 
 * Against a distlib server, ``get`` and ``multi_get`` take one round trip instead of
-  torch's two (WAIT and GET pipelined; see protocol.py, "ordered-wait capability"). Against a
+  torch's two (WAIT and GET pipelined; see codec.py, "ordered-wait capability"). Against a
   torch server it behaves exactly as torch's client, including coping with the libuv
   server's spurious wake-ups (an empty value after a wake is re-checked).
-* **Same-host transport.** When ``host_name`` is a loopback address and a distlib server
-  listens on that port on this host, the client connects to the server's abstract UNIX
-  socket (server.py, ``unix_socket_name``) instead of TCP: the same bytes, the same
+* **Same-host transport.** When ``host_name`` is a loopback address and a distlib server of
+  this user listens on that port on this host, the client connects to the server's abstract
+  UNIX socket (``distlib.net.unix_socket_name``) instead of TCP: the same bytes, the same
   server, about a third of the kernel's cost per request. torch servers have no such
   socket, so against them nothing changes. ``DISTLIB_STORE_UNIX=0`` turns it off;
   ``transport`` says which one a client uses, ``local_address()`` still names the
   loopback address.
-* Replies are polled for, not blocked on at once: a short busy-poll
-  (``DISTLIB_STORE_CLIENT_SPIN_US``, 100 us; off when it would take a CPU another task
-  needs, and backing off while replies miss it), then poll(2) with the deadline. The socket
+* **Authentication and TLS** (handshake.py): with ``DISTLIB_AUTH_TOKEN`` the client and the
+  server prove the token to each other before any request; with ``DISTLIB_TLS_CA`` the TCP
+  connection is TLS and the server's certificate is checked. Without either, the bytes are
+  torch's.
+* Replies are polled for, not blocked on at once: a short busy-poll (``SPIN_S``, 100 us;
+  off when it would take a CPU another task needs, and backing off while replies miss it;
+  distlib/busy_poll.py), then poll(2) with the deadline. The socket
   stays non-blocking, so no call pays for switching modes or timeouts.
 * Connecting retries with backoff until the timeout and then fails naming host:port and
-  what went wrong (connect.py). Every reply is read with a deadline: a server that stops
+  what went wrong (connect.py); a port where something accepts and stays silent is named as
+  another service. Every reply is read with a deadline: a server that stops
   answering is reported, naming the operation and the server, instead of hanging.
 * The master waits for its workers on a condition the in-process server signals, not by
   polling every 10 ms; its timeout error lists where the workers that did join came from.
@@ -34,28 +40,30 @@ What it does beyond torch, and why:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import select
 import socket
-import struct
 import threading
 import time
 import weakref
 from datetime import timedelta
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ...busy_poll import BusyPoll
 from ...deadline import Deadline, TimeoutLike, format_duration
 from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
+from ...net import bind_for_clients
+from ...tls import TlsSocket
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
-from . import protocol as proto
-from .connect import connect, describe_socket, format_endpoint, resolve
-from .protocol import (
+from . import codec
+from .codec import (
     I64,
     MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
-    ORDERED_WAIT_PROBE_KEY,
+    OP_U64,
+    OP_U64_U64,
     READY,
     STOP_WAITING,
     U32,
@@ -64,24 +72,21 @@ from .protocol import (
     WORKER_COUNTER_KEY,
     Op,
 )
-from .server import BusyPoll, StoreServer, bind_listener, local_transport_enabled, unix_socket_name
+from .connect import describe_socket, format_endpoint
+from .handshake import CLOSED_TEXT, open_connection
+from .security import StoreSecurity
+from .server import StoreServer
 
 log = logging.getLogger("distlib.store.tcp.client")
 
-_CLOSED_TEXT = ("Failed to recv, got 0 bytes. Connection was likely closed. "
-                "Did the remote server shutdown or crash?")
+_CLOSED_TEXT = CLOSED_TEXT
 
 #: Replies to requests that do not wait (SET, ADD, GET after its WAIT, ...) come at once from a
 #: healthy server; one that has not answered after max(store timeout, this) is reported dead.
 MIN_REPLY_DEADLINE = 30.0
 
-#: How long a client polls for a reply before blocking, in microseconds (adaptive, see
-#: _recv). DISTLIB_STORE_CLIENT_SPIN_US overrides it; 0 turns it off.
-DEFAULT_SPIN_US = 100.0
-#: Spin back-off: a reply that misses the spin window raises the back-off level by one, one
-#: that arrives within it lowers it by one; at level k the client spins for one request in
-#: 2**k (the others block at once). SPIN_BACKOFF_MAX_LEVEL caps k (1 request in 1024).
-SPIN_BACKOFF_MAX_LEVEL = 10
+#: How long a client polls for a reply before blocking (busy_poll.py; see _recv).
+SPIN_S = 100e-6
 
 _RECV_SIZE = 65536
 _POLLIN = select.POLLIN
@@ -90,16 +95,12 @@ _POLLOUT = select.POLLOUT
 _WAIT = int(Op.WAIT)
 _u64 = U64.unpack_from
 _i64 = I64.unpack_from
-# Request headers of the hot paths, packed in one call (the same bytes as protocol.py's).
-_OP_LEN = proto.OP_U64.pack  # opcode, u64 length of the key that follows
-_WAIT_ONE = struct.Struct("<BQQ").pack  # WAIT, u64 count 1, u64 length of the key
+# Request headers of the hot paths, packed in one call (the layouts are codec.py's).
+_OP_LEN = OP_U64.pack  # opcode, u64 length of the key that follows
+_WAIT_ONE = OP_U64_U64.pack  # WAIT or CHECK, u64 count 1, u64 length of the key
 _pack_u64 = U64.pack
 _pack_i64 = I64.pack
 _SET, _GET, _ADD, _CHECK, _CAS = int(Op.SET), int(Op.GET), int(Op.ADD), int(Op.CHECK), int(Op.COMPARE_SET)
-
-
-class _NotAStoreServer(DistNetworkError):
-    """The peer answered the handshake wrongly: retrying will not help."""
 
 
 class _WaitTimedOut(Exception):
@@ -148,7 +149,10 @@ def _agent_store_tolerates_bind_failure(port: int) -> bool:
     return flag in ("1", "true", "yes") and os.environ.get("MASTER_PORT", "").strip() == str(port)
 
 
-def _start_server(port: int, multi_tenant: bool, master_listen_fd: Optional[int]) -> Optional[_ServerHandle]:
+def _start_server(host: str, port: int, multi_tenant: bool, master_listen_fd: Optional[int],
+                  security: StoreSecurity) -> Optional[_ServerHandle]:
+    """The master's server: on ``host``'s address only (net.bind_for_clients; torch listens on
+    every interface), with the job's security settings."""
     if multi_tenant and port != 0:
         with _TENANTS_LOCK:
             handle = _TENANTS.get(port)
@@ -163,23 +167,19 @@ def _start_server(port: int, multi_tenant: bool, master_listen_fd: Optional[int]
         sock.listen(4096)
     else:
         try:
-            sock = bind_listener("", port)
+            sock = bind_for_clients(host, port)
         except DistNetworkError:
             if _agent_store_tolerates_bind_failure(port):
                 log.info("port %d is taken and TORCHELASTIC_USE_AGENT_STORE is set: using the server already there", port)
                 return None
             raise
-    handle = _ServerHandle(StoreServer(listen_sock=sock).start(f"distlib-store-server:{sock.getsockname()[1]}"), multi_tenant)
+    server = StoreServer(listen_sock=sock, security=security)
+    handle = _ServerHandle(server.start(f"distlib-store-server:{sock.getsockname()[1]}"), multi_tenant)
     handle.acquire()
     if multi_tenant:
         with _TENANTS_LOCK:
             _TENANTS[handle.server.port] = handle
     return handle
-
-
-def _is_loopback(ip) -> bool:
-    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-    return (mapped or ip).is_loopback
 
 
 def _close_socket(sock: socket.socket) -> None:
@@ -206,6 +206,8 @@ class TCPStore(Store):
         multi_tenant: bool = False,
         master_listen_fd: Optional[int] = None,
         use_libuv: bool = True,
+        *,
+        security: Optional[StoreSecurity] = None,
     ):
         super().__init__(timeout)
         if not isinstance(host_name, str) or not host_name:
@@ -218,15 +220,17 @@ class TCPStore(Store):
             if world_size == 0:
                 raise ValueError("TCPStore world size cannot be 0")
         self._host = host_name
+        # distlib's own argument: the token and TLS settings (None: the environment's, which
+        # is what every rank and the master read; see security.py and docs/security.md).
+        self._security = security if security is not None else StoreSecurity.from_env()
         self._use_libuv = bool(use_libuv)
         self._world_size = world_size
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
         self._rbuf = bytearray()
         self._broken: Optional[str] = None
-        self._busy_poll = BusyPoll("DISTLIB_STORE_CLIENT_SPIN_US", DEFAULT_SPIN_US)
-        self._spin_level = 0  # see SPIN_BACKOFF_MAX_LEVEL
-        self._spin_skip = 0  # requests left to serve without spinning
+        self._busy_poll = BusyPoll(SPIN_S, backoff=True)
+        self._recv_probe: Optional[Callable[[], bytes]] = None  # a non-blocking recv, once connected
         self._poller: Optional[select.poll] = None
         self._local_ip: Optional[str] = None  # set while connected over the same-host socket
         self._ordered = False
@@ -235,7 +239,7 @@ class TCPStore(Store):
         deadline = Deadline(self._timeout_s)
 
         if is_master:
-            self._server = _start_server(port, multi_tenant, master_listen_fd)
+            self._server = _start_server(host_name, port, multi_tenant, master_listen_fd, self._security)
             if self._server is not None:
                 port = self._server.server.port
                 self._server_finalizer = weakref.finalize(self, self._server.release)
@@ -245,7 +249,7 @@ class TCPStore(Store):
 
         if world_size is not None and wait_for_workers:
             with self._lock:
-                self._send(proto.add(WORKER_COUNTER_KEY, 1))
+                self._send(codec.add(WORKER_COUNTER_KEY, 1))
                 joined = self._read_i64("ADD init/")
             if self._server is not None:
                 self._wait_for_workers(world_size, joined, deadline)
@@ -293,96 +297,22 @@ class TCPStore(Store):
     # -- connection ------------------------------------------------------------------------------
 
     def _connect(self, deadline: Deadline) -> None:
-        """Connect and handshake, retrying a failed handshake too, until the deadline."""
-        last: Optional[Exception] = None
-        while True:
-            sock = self._connect_local(deadline)
-            if sock is None:
-                self._local_ip = None
-                sock = connect(self._host, self._port, deadline)
-            try:
-                self._handshake(sock, deadline)
-                return
-            except _NotAStoreServer:
-                _close_socket(sock)
-                raise
-            except (OSError, DistNetworkError) as exc:
-                _close_socket(sock)
-                last = exc
-                if deadline.expired():
-                    raise DistNetworkError(
-                        f"The client socket has timed out after {int(deadline.seconds * 1000)}ms while trying "
-                        f"to connect to ({self._host}, {self._port}): connected, but the handshake failed: {exc}"
-                    ) from last
-                time.sleep(min(0.05, deadline.remaining()))
-
-    def _connect_local(self, deadline: Deadline) -> Optional[socket.socket]:
-        """The same-host transport: when ``host`` is a loopback address and a distlib server
-        listens on that port here, connect to its abstract UNIX socket instead of TCP.
-
-        Same protocol, same handshake, same server; only the kernel's path differs (a UNIX
-        socket costs about a third of TCP loopback per request). torch servers have no such
-        socket, so against them nothing changes; DISTLIB_STORE_UNIX=0 turns it off.
-        """
-        if not local_transport_enabled():
-            return None
-        ip = self._loopback_ip()
-        if ip is None:
-            return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(max(0.001, min(1.0, deadline.remaining())))
-            sock.connect(unix_socket_name(self._port))
-        except OSError:
-            sock.close()
-            return None
-        self._local_ip = ip
-        return sock
-
-    def _loopback_ip(self) -> Optional[str]:
-        """The loopback address ``host`` stands for, or None if it is not a loopback address.
-
-        Only IP literals and ``localhost`` qualify: any other name would cost a second name
-        lookup before every connect (and a slow resolver would delay remote clients).
-        """
-        host = self._host.strip("[]")
-        try:
-            ip = ipaddress.ip_address(host.split("%")[0])
-        except ValueError:
-            if host.lower() != "localhost":
-                return None
-            try:
-                addresses = [info[3][0] for info in resolve(self._host, self._port)]
-                ips = [ipaddress.ip_address(a.split("%")[0]) for a in addresses]
-            except (OSError, UnicodeError, ValueError):
-                return None
-            return addresses[0] if ips and all(_is_loopback(i) for i in ips) else None
-        return host if _is_loopback(ip) else None
-
-    def _handshake(self, sock: socket.socket, deadline: Deadline) -> None:
-        nonce = os.getpid() & 0xFFFFFFFF
-        sock.settimeout(max(0.001, deadline.remaining()))
-        sock.sendall(proto.validate() + proto.ping(nonce) + proto.keys_request(Op.CHECK, [ORDERED_WAIT_PROBE_KEY]))
-        reply = b""
-        while len(reply) < 5:
-            chunk = sock.recv(5 - len(reply))
-            if not chunk:
-                raise DistNetworkError(f"{_CLOSED_TEXT} (during the handshake with {self.describe()})")
-            reply += chunk
-        echoed = U32.unpack_from(reply)[0]
-        if echoed != nonce:
-            raise _NotAStoreServer(
-                f"Ping failed, invalid value returned from server. Expected: {nonce}, Got: {echoed} "
-                f"({format_endpoint(self._host, self._port)} answered, but not as a TCPStore server: "
-                f"is this the right port?)")
-        self._ordered = reply[4] == READY
+        """Connect and pass every step the server and this client's settings ask for (the
+        same-host socket or TCP, TLS, the token, the TCPStore handshake: handshake.py)."""
+        opened = open_connection(self._host, self._port, deadline, self._security)
+        sock = opened.sock
+        self._local_ip = opened.local_ip
+        self._ordered = opened.ordered
         # From here on the socket is non-blocking for good: replies are polled for (spin,
         # then poll(2) with the deadline), with no per-call timeout or blocking-mode syscalls.
         sock.setblocking(False)
+        if opened.tls:
+            sock = TlsSocket(sock, drain=False)  # poll(2) is level-triggered: no read to prove "drained"
         poller = select.poll()
         poller.register(sock.fileno(), _POLLIN)
         self._poller = poller
         self._sock = sock
+        self._recv_probe = partial(sock.recv, _RECV_SIZE)
         self._rbuf = bytearray()
         self._broken = None
 
@@ -455,49 +385,25 @@ class TCPStore(Store):
         """Append at least one byte to the read buffer; _WaitTimedOut after ``timeout``
         (None: a reply that must come at once, given max(store timeout, 30 s)).
 
-        Busy-polling first: read the socket without sleeping for up to the spin window
-        (DISTLIB_STORE_CLIENT_SPIN_US). On a VM whose idle vCPUs halt, a blocking read costs a
-        ~100 us wake-up per round trip; a reply from a healthy server on the same host or LAN
-        arrives well within the window. Spinning is skipped while more tasks are runnable
-        than there are CPUs (BusyPoll), and it backs off when replies keep missing the window
-        (an overloaded server): each miss doubles the number of requests between two spins
-        (up to 1024), each hit halves it, so one lucky hit among many misses does not bring
-        the spinning back. A WAIT's reply (``timeout`` given) comes when another client acts:
-        missing the window then says nothing about the server, and is not counted.
+        Busy-polling first (distlib/busy_poll.py): read the socket without sleeping for up
+        to ``SPIN_S``. On a VM whose idle vCPUs halt, a blocking read costs a ~100 us
+        wake-up per round trip; a reply from a healthy server on the same host or LAN
+        arrives well within the window. Spinning yields while more tasks are runnable than
+        there are CPUs, and backs off in time while replies keep missing the window (an
+        overloaded server). A WAIT's reply (``timeout`` given) comes when another client
+        acts: missing the window then says nothing about the server, and is not counted.
         """
-        if self._spin_skip:
-            self._spin_skip -= 1
-            chunk = self._recv_blocking(what, timeout)
-        elif timeout != 0 and self._busy_poll.allowed():
-            chunk = self._recv_spinning(what, timeout)
-        else:
+        chunk = None
+        if timeout != 0:
+            try:
+                chunk = self._busy_poll.spin(self._recv_probe, timeout is None)
+            except OSError as exc:
+                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
+        if chunk is None:
             chunk = self._recv_blocking(what, timeout)
         if not chunk:
             raise self._fail(f"{_CLOSED_TEXT} ({self.describe()}, during {what})")
         self._rbuf += chunk
-
-    def _recv_spinning(self, what: str, timeout: Optional[float]) -> bytes:
-        recv = self._sock.recv
-        clock = time.perf_counter
-        until = clock() + self._busy_poll.window
-        while True:
-            try:
-                chunk = recv(_RECV_SIZE)
-            except BlockingIOError:
-                if clock() < until:
-                    continue
-                break
-            except OSError as exc:
-                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
-            if self._spin_level:
-                self._spin_level -= 1
-                self._spin_skip = (1 << self._spin_level) - 1
-            return chunk
-        if timeout is None:
-            if self._spin_level < SPIN_BACKOFF_MAX_LEVEL:
-                self._spin_level += 1
-            self._spin_skip = (1 << self._spin_level) - 1
-        return self._recv_blocking(what, timeout)
 
     def _recv_blocking(self, what: str, timeout: Optional[float]) -> bytes:
         """Block in poll(2) until the socket has data or the deadline passes; read it."""
@@ -584,7 +490,7 @@ class TCPStore(Store):
 
     def _cancel_timed_out_wait(self, what: str, held_reply: Optional[Callable[[], object]]):
         """The wait's time is up: CANCEL_WAIT, then torch's two-byte race (_await_wait)."""
-        self._send(proto.no_body(Op.CANCEL_WAIT))
+        self._send(codec.bare_request(Op.CANCEL_WAIT))
         code = self._read_u8(f"CANCEL_WAIT after {what}")
         if code == STOP_WAITING:
             held = held_reply() if held_reply else None
@@ -629,7 +535,7 @@ class TCPStore(Store):
 
     # The hot paths (set, get, add, check, compare_set, wait) build their requests with one
     # struct call and read short replies straight from the buffer; the bytes are
-    # protocol.py's (tests/store/test_tcp_store.py pins them).
+    # codec.py's (tests/store/test_tcp_store.py pins them).
 
     def set(self, key: str, value: ValueLike) -> None:
         if type(key) is not str:
@@ -677,15 +583,15 @@ class TCPStore(Store):
         does not exist (a compare_set that changed nothing); an empty value is re-checked."""
         deadline = Deadline(seconds)
         while True:
-            self._send(proto.keys_request(_WAIT, [wire]))
+            self._send(codec.keys_request(_WAIT, [wire]))
             done, _ = self._await_wait(deadline.remaining(), "WAIT")
             if not done:
                 raise self._timeout_error([wire], seconds)
-            self._send(proto.get(wire))
+            self._send(codec.get(wire))
             value = self._read_blob("GET")
             if value:
                 return value
-            self._send(proto.keys_request(Op.CHECK, [wire]))
+            self._send(codec.keys_request(Op.CHECK, [wire]))
             if self._read_u8("CHECK") == READY:
                 return value
 
@@ -711,7 +617,7 @@ class TCPStore(Store):
         if len(wires) == 1:
             data = _WAIT_ONE(_CHECK, 1, len(wires[0])) + wires[0]
         else:
-            data = proto.keys_request(Op.CHECK, wires)
+            data = codec.keys_request(Op.CHECK, wires)
         with self._lock:
             self._send(data)
             return self._read_u8("CHECK") == READY
@@ -722,7 +628,7 @@ class TCPStore(Store):
         if len(wires) == 1:
             data = _WAIT_ONE(_WAIT, 1, len(wires[0])) + wires[0]
         else:
-            data = proto.keys_request(Op.WAIT, wires)
+            data = codec.keys_request(Op.WAIT, wires)
         with self._lock:
             self._send(data)
             done, _ = self._await_wait(seconds, "WAIT")
@@ -730,21 +636,21 @@ class TCPStore(Store):
             raise self._timeout_error(wires, seconds)
 
     def delete_key(self, key: str) -> bool:
-        data = proto.key_request(Op.DELETE_KEY, self._wire(key))
+        data = codec.key_request(Op.DELETE_KEY, self._wire(key))
         with self._lock:
             self._send(data)
             return self._read_i64("DELETE_KEY") == 1
 
     def num_keys(self) -> int:
         with self._lock:
-            self._send(proto.no_body(Op.GETNUMKEYS))
+            self._send(codec.bare_request(Op.GETNUMKEYS))
             return self._read_i64("GETNUMKEYS")
 
     def has_extended_api(self) -> bool:
         return True
 
     def append(self, key: str, value: ValueLike) -> None:
-        data = proto.key_value_request(Op.APPEND, self._wire(key), self._value(value))
+        data = codec.key_value_request(Op.APPEND, self._wire(key), self._value(value))
         with self._lock:
             self._send(data)
 
@@ -757,16 +663,16 @@ class TCPStore(Store):
 
         with self._lock:
             if self._ordered:
-                self._send(proto.keys_request(_WAIT, wires) + proto.keys_request(Op.MULTI_GET, wires))
+                self._send(codec.keys_request(_WAIT, wires) + codec.keys_request(Op.MULTI_GET, wires))
                 done, values = self._await_wait(seconds, "MULTI_GET", read_values)
                 if not done:
                     raise self._timeout_error(wires, seconds)
                 return values
-            self._send(proto.keys_request(_WAIT, wires))
+            self._send(codec.keys_request(_WAIT, wires))
             done, _ = self._await_wait(seconds, "WAIT")
             if not done:
                 raise self._timeout_error(wires, seconds)
-            self._send(proto.keys_request(Op.MULTI_GET, wires))
+            self._send(codec.keys_request(Op.MULTI_GET, wires))
             return read_values()
 
     def multi_set(self, keys: List[str], values: List[ValueLike]) -> None:
@@ -775,7 +681,7 @@ class TCPStore(Store):
         if len(wires) != len(values):
             raise DistStoreError(
                 f"multiSet keys and values vectors must be of same size ({len(wires)} keys, {len(values)} values)")
-        data = proto.multi_set(wires, [self._value(v) for v in values])
+        data = codec.multi_set(wires, [self._value(v) for v in values])
         with self._lock:
             self._send(data)
 
@@ -785,7 +691,7 @@ class TCPStore(Store):
 
     def queue_push(self, key: str, value: ValueLike) -> None:
         self._require_queues()
-        data = proto.key_value_request(Op.QUEUE_PUSH, self._wire(key), self._value(value))
+        data = codec.key_value_request(Op.QUEUE_PUSH, self._wire(key), self._value(value))
         with self._lock:
             self._send(data)
 
@@ -794,11 +700,11 @@ class TCPStore(Store):
         wire = self._wire(key)
         with self._lock:
             if block:
-                self._send(proto.keys_request(_WAIT, [wire]))
+                self._send(codec.keys_request(_WAIT, [wire]))
                 done, _ = self._await_wait(self._timeout_s, "WAIT")
                 if not done:
                     raise self._timeout_error([wire], self._timeout_s)
-            self._send(proto.key_request(Op.QUEUE_POP, wire))
+            self._send(codec.key_request(Op.QUEUE_POP, wire))
             length = self._read_i64("QUEUE_POP")
             if length <= 0:
                 raise QueueEmptyError("queue is empty")
@@ -806,7 +712,7 @@ class TCPStore(Store):
 
     def queue_len(self, key: str) -> int:
         self._require_queues()
-        data = proto.key_request(Op.QUEUE_LEN, self._wire(key))
+        data = codec.key_request(Op.QUEUE_LEN, self._wire(key))
         with self._lock:
             self._send(data)
             return self._read_i64("QUEUE_LEN")
@@ -814,7 +720,7 @@ class TCPStore(Store):
     def list_keys(self) -> List[str]:
         """User keys (those a torch client wrote with its leading slash), slash removed."""
         with self._lock:
-            self._send(proto.no_body(Op.LIST_KEYS))
+            self._send(codec.bare_request(Op.LIST_KEYS))
             count = self._read_i64("LIST_KEYS")
             raw = [self._read_blob("LIST_KEYS") for _ in range(count)]
         return [k[1:].decode("utf-8", "replace") for k in raw if k.startswith(b"/")]
@@ -822,7 +728,7 @@ class TCPStore(Store):
     def barrier(self, key: str, world_size: int, timeout: Optional[TimeoutLike] = None) -> None:
         """The server-side BARRIER: returns when ``world_size`` callers have arrived."""
         seconds = self._wait_seconds(timeout)
-        data = proto.barrier(self._wire(key), int(world_size))
+        data = codec.barrier(self._wire(key), int(world_size))
         with self._lock:
             self._send(data)
             done, _ = self._await_wait(seconds, "BARRIER")
@@ -836,7 +742,7 @@ class TCPStore(Store):
         nonce = os.getpid() & 0xFFFFFFFF
         deadline = Deadline(self._timeout_s)
         with self._lock:
-            self._send(proto.ping(nonce))
+            self._send(codec.ping(nonce))
             echoed = U32.unpack(self._read(4, "PING"))[0]
         if echoed != nonce:
             raise self._fail(f"Ping failed, invalid value returned from server. Expected: {nonce}, Got: {echoed}")
@@ -845,4 +751,4 @@ class TCPStore(Store):
     def clone(self) -> "TCPStore":
         """A new connection to the same server (no worker counting), as torch's clone()."""
         return TCPStore(self._host, self._port, None, False, timedelta(seconds=self._timeout_s),
-                        use_libuv=self._use_libuv)
+                        use_libuv=self._use_libuv, security=self._security)

@@ -3,7 +3,7 @@
 Workers often start before the master, and container DNS names often appear a moment after
 the container: a refused connection or an unresolvable name at first is normal. So
 ``connect`` retries with backoff until its deadline, and when it gives up it says what went
-wrong, classified as one of
+wrong, classified (``distlib.net.classify``) as one of
 
 * ``name not resolved``  — DNS has no address for the host (yet);
 * ``connection refused`` — the host answered but nobody listens on the port;
@@ -17,7 +17,6 @@ to connect to (<host>, <port>).``) so code matching torch's text keeps matching.
 
 from __future__ import annotations
 
-import errno
 import ipaddress
 import logging
 import random
@@ -28,6 +27,10 @@ from typing import List, Optional, Tuple
 
 from ...deadline import Deadline, format_duration
 from ...errors import DistNetworkError
+from ...net import NAME_NOT_RESOLVED, classify, format_endpoint, lookup_name, tune
+
+__all__ = ["connect", "resolve", "resolve_within", "describe_socket", "format_endpoint", "classify",
+           "lookup_name", "tune", "NameLookupStalled"]
 
 log = logging.getLogger("distlib.store.tcp.connect")
 
@@ -35,49 +38,7 @@ FIRST_RETRY_DELAY = 0.002  # s; a master that starts a moment late (ranks starte
 MAX_RETRY_DELAY = 1.0  # s; and one that takes minutes costs a probe a second
 ATTEMPT_TIMEOUT = 5.0  # s; one SYN without an answer for this long counts as "no answer"
 
-NAME_NOT_RESOLVED = "name not resolved"
-CONNECTION_REFUSED = "connection refused (nobody listening)"
-HOST_UNREACHABLE = "host unreachable"
-NO_ANSWER = "no answer (timed out)"
 NAME_LOOKUP_STALLED = "name lookup did not finish"
-
-_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
-
-
-def classify(exc: BaseException) -> str:
-    """Name the failure of one connect attempt in a user's words."""
-    if isinstance(exc, socket.gaierror):
-        return NAME_NOT_RESOLVED
-    if isinstance(exc, ConnectionRefusedError):
-        return CONNECTION_REFUSED
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return NO_ANSWER
-    if isinstance(exc, OSError) and exc.errno in _UNREACHABLE:
-        return HOST_UNREACHABLE
-    return f"{type(exc).__name__}: {exc}"
-
-
-def format_endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def tune(sock: socket.socket) -> None:
-    """Options every store and transport connection wants: no Nagle delay on small requests,
-    keepalive so a peer that vanished is noticed during long waits."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-
-
-def lookup_name(host: str):
-    """``host`` as getaddrinfo should get it: bytes when it is ASCII (every IP literal and
-    almost every host name), else the str itself.
-
-    Why: given a str, getaddrinfo encodes it with the IDNA codec, and the first use of that
-    codec in a process imports it (encodings.idna, stringprep, unicodedata: about 3 ms of
-    CPU, paid by every rank inside init_process_group). For ASCII names the codec changes
-    nothing, so bytes give the same lookup without the import.
-    """
-    return host.encode("ascii") if host.isascii() else host
 
 
 def resolve(host: str, port: int) -> List[Tuple]:

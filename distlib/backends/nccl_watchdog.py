@@ -1,0 +1,260 @@
+"""The nccl backend's watchdog: outstanding work against the timeout, NCCL's asynchronous
+errors, and the error that names who had not reached the operation.
+
+NCCL work runs on the GPU after the call that enqueued it has returned, so nothing on the
+host notices by itself that it never finishes. A thread per backend polls (``Watchdog``):
+each outstanding operation's completion, its age against the group timeout, and the
+communicator's asynchronous error (``ncclCommGetAsyncError``: a peer that exited, a network
+failure). On the first failure the backend aborts its communicator (so the stuck kernels
+end) and every later call, and every ``wait()``, raises the error made here.
+
+To say who is to blame, which torch cannot, every rank publishes a small record in the
+group's store (``Heartbeat``): the sequence number of the last collective it issued and a
+heart-beat counter, every HEARTBEAT_S. The error reads the records twice, SILENCE_CHECK
+apart: ranks whose last issued collective is before the failed one had not reached it, and
+ranks whose counter did not move are dead or frozen.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..deadline import format_duration
+
+log = logging.getLogger("distlib.backends.nccl")
+
+#: Seconds between a rank's record updates: often enough that a silent rank is told apart
+#: from a slow one within a few seconds, rarely enough that 1000 ranks cost the store little.
+HEARTBEAT_S = 2.0
+#: How long the diagnosis watches the counters: longer than one heartbeat with room to spare.
+SILENCE_CHECK_S = 1.5 * HEARTBEAT_S
+#: Poll intervals: short while work is outstanding (a finished Work's future is settled this
+#: late at most), long when idle (only the asynchronous error is checked).
+BUSY_POLL_S = 0.002
+IDLE_POLL_S = 0.1
+
+
+def record_key(rank: int) -> str:
+    return f"nccl_seq/{rank}"
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a rank publishes: the last collective it issued (0: none yet) and its heart-beat."""
+
+    issued: int
+    beat: int
+
+    def encode(self) -> bytes:
+        return f"{self.issued} {self.beat}".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Record":
+        issued, beat = raw.decode().split()
+        return cls(int(issued), int(beat))
+
+
+def read_records(store, size: int) -> Tuple[Dict[int, Record], str]:
+    """Every rank's record that exists, and "" or what went wrong reading the store."""
+    records: Dict[int, Record] = {}
+    try:
+        for rank in range(size):
+            if store.check([record_key(rank)]):
+                records[rank] = Record.decode(store.get(record_key(rank)))
+    except Exception as exc:  # noqa: BLE001 - the store may be gone with a dead rank 0
+        return records, f"{type(exc).__name__}: {exc}"
+    return records, ""
+
+
+def laggards(seq: int, size: int, *readings: Dict[int, Record]) -> List[int]:
+    """Ranks that, in every reading, had not issued collective ``seq`` (or had no record)."""
+    def reached(rank: int) -> bool:
+        return any(rank in r and r[rank].issued >= seq for r in readings)
+
+    return [rank for rank in range(size) if not reached(rank)]
+
+
+def silent(size: int, first: Dict[int, Record], second: Dict[int, Record]) -> List[int]:
+    """Ranks whose heart-beat did not move between the readings (or that have no record)."""
+    return [rank for rank in range(size)
+            if rank not in second or (rank in first and first[rank].beat == second[rank].beat)]
+
+
+def _ranks(ranks: Sequence[int], hosts: Dict[int, str], records: Dict[int, Record], limit: int = 16) -> str:
+    parts = []
+    for rank in ranks[:limit]:
+        where = f" on {hosts[rank]}" if rank in hosts else ""
+        last = f", last issued #{records[rank].issued}" if rank in records else ", no record"
+        parts.append(f"rank {rank}{where}{last}")
+    if len(ranks) > limit:
+        parts.append(f"and {len(ranks) - limit} more")
+    return "; ".join(parts)
+
+
+def failure_text(label: str, what: str, seq: Optional[int], collective: bool, cause: str, size: int,
+                 first: Dict[int, Record], second: Dict[int, Record], hosts: Dict[int, str],
+                 watched_s: float, store_problem: str = "") -> str:
+    """The error every later call raises: the operation and its number (None: no operation was
+    outstanding), the cause, the ranks that had not reached it and the ranks that went silent."""
+    latest = {**first, **second}
+    number = "" if seq is None else f" ({'collective' if collective else 'point-to-point'} #{seq} in this group)"
+    parts = [f"{label}: {what}{number} {cause}."]
+    if store_problem:
+        parts.append(f"Could not read the ranks' records from the store ({store_problem}), so who had not "
+                     f"reached it is unknown; if rank 0 hosted the store, rank 0 is gone.")
+    else:
+        if collective and seq is not None:
+            behind = laggards(seq, size, first, second)
+            parts.append(f"Ranks that had not reached #{seq}: {_ranks(behind, hosts, latest) if behind else 'none'}.")
+        quiet = silent(size, first, second)
+        if quiet:
+            parts.append(f"No heart-beat for {format_duration(watched_s)} from: {_ranks(quiet, hosts, latest)} "
+                         f"(dead or frozen).")
+    parts.append("The NCCL communicator was aborted: destroy_process_group() and init again to go on.")
+    return " ".join(parts)
+
+
+def diagnose(store, size: int, stop: threading.Event, watch_s: float = SILENCE_CHECK_S):
+    """Read the records, watch the heart-beats for ``watch_s`` (sooner if ``stop``), read again."""
+    first, problem = read_records(store, size)
+    started = time.monotonic()
+    if not problem:
+        stop.wait(watch_s)
+        second, problem = read_records(store, size)
+    else:
+        second = {}
+    return first, second, problem, time.monotonic() - started
+
+
+class Heartbeat:
+    """Publishes this rank's Record every HEARTBEAT_S on a store of its own (a clone, so that
+    a long wait on the shared connection never delays it)."""
+
+    def __init__(self, store, rank: int, issued: Callable[[], int], label: str):
+        self.store, self.rank, self.issued, self.label = store, rank, issued, label
+        self.stop = threading.Event()
+        self.beat = 0
+        self._warned = False
+        self.thread = threading.Thread(target=self._loop, name=f"distlib-nccl-heartbeat-{label}", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self.publish()
+        self.thread.start()
+        return self
+
+    def publish(self) -> None:
+        self.beat += 1
+        try:
+            self.store.set(record_key(self.rank), Record(self.issued(), self.beat).encode())
+        except Exception as exc:  # noqa: BLE001 - a lost store must not kill the thread
+            if not self._warned:
+                self._warned = True
+                log.warning("%s: rank %d cannot publish its sequence record (%s); a failure's error will "
+                            "not know who lagged", self.label, self.rank, exc)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            self.publish()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=5.0)
+
+
+@dataclass
+class Pending:
+    """One enqueued operation: its number, what it is, when it was issued, how to ask whether
+    it has finished, what must stay alive until then, and how to settle its Work."""
+
+    seq: int
+    collective: bool
+    what: str
+    started: float
+    done: Callable[[], bool]
+    keep: Any
+    settle: Callable[[Optional[BaseException]], None]
+
+
+class Watchdog:
+    """Polls the outstanding operations in issue order; on a timeout or an asynchronous error
+    it calls ``fail(pending_or_None, cause)`` once, which returns the error to settle every
+    outstanding operation with, and stops."""
+
+    def __init__(self, label: str, timeout_s: float, check_async: Callable[[], Optional[str]],
+                 fail: Callable[[Optional[Pending], str], BaseException],
+                 on_thread_start: Optional[Callable[[], None]] = None):
+        self.label, self.timeout_s = label, timeout_s
+        self.check_async, self.fail, self.on_thread_start = check_async, fail, on_thread_start
+        self.pending: List[Pending] = []
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        self.failed = False
+        self.thread = threading.Thread(target=self._loop, name=f"distlib-nccl-watchdog-{label}", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.thread.start()
+        return self
+
+    def add(self, pending: Pending) -> None:
+        with self.lock:
+            self.pending.append(pending)
+        self.wake.set()
+
+    def outstanding(self) -> int:
+        with self.lock:
+            return len(self.pending)
+
+    def _loop(self) -> None:
+        if self.on_thread_start is not None:
+            self.on_thread_start()
+        while not self.stop.is_set():
+            if self.poll_once():
+                return
+            self.wake.wait(BUSY_POLL_S if self.outstanding() else IDLE_POLL_S)
+            self.wake.clear()
+
+    def poll_once(self, now: Optional[float] = None) -> bool:
+        """One round: settle what finished; True once a failure was handled (the loop ends)."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            pending = list(self.pending)
+        finished = []
+        for entry in pending:
+            if entry.done():
+                finished.append(entry)
+        if finished:
+            with self.lock:
+                self.pending = [p for p in self.pending if p not in finished]
+            for entry in finished:
+                entry.settle(None)
+        with self.lock:
+            oldest = self.pending[0] if self.pending else None
+        cause = self.check_async()
+        if cause is None and oldest is not None and now - oldest.started > self.timeout_s:
+            cause = (f"timed out after {format_duration(now - oldest.started)} "
+                     f"(timeout {format_duration(self.timeout_s)})")
+        if cause is None:
+            return False
+        self.failed = True
+        error = self.fail(oldest, cause)
+        with self.lock:
+            failed, self.pending = self.pending, []
+        for entry in failed:
+            entry.settle(error)
+        return True
+
+    def close(self) -> List[Pending]:
+        """Stop the thread; returns what was still outstanding."""
+        self.stop.set()
+        self.wake.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10.0)
+        with self.lock:
+            left, self.pending = self.pending, []
+        return left

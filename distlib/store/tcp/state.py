@@ -1,0 +1,297 @@
+"""``KeyValueState``: what a TCPStore server holds and what each request does to it.
+
+Kept apart from the event loop (server.py) so that the store's semantics have one home,
+with no sockets, and can be tested on its own (tests/store/test_store_state.py): the keys
+and values, the queues, who waits for what, counters (ADD and BARRIER written once), and
+compare_set. The server decodes a request (codec.py), calls one method here and encodes
+the reply; the batch path (batch.py) calls the same methods.
+
+A party that waits is a ``Waiter`` (the server's connections are Waiters). When every key
+a waiter waits for exists, or its barrier fills, the state clears the waiter's wait and
+calls ``on_release(waiter)``, at once, so that the server queues the waiter's STOP_WAITING
+before any later reply of the same loop turn.
+
+Where torch's two servers disagree or misbehave, this state takes the behaviour torch's
+documentation promises (a key exists once set, a wait returns when its keys exist) and
+stays acceptable to torch clients:
+
+* compare_set wakes waiters when it writes the key, and only then (libuv also wakes on a
+  compare_set that changed nothing, so a torch ``get`` can return ``b""`` for a key that was
+  never set; legacy never wakes, so a waiter can miss a key that compare_set created).
+* A BARRIER increment that does not complete the barrier still wakes plain waiters on the
+  barrier's key (the key now exists), not the barrier's own participants.
+* A key "exists" for check and wait when it holds a value or a non-empty queue (libuv's
+  rule); a queue push releases one waiter, a write every waiter of the key.
+"""
+
+from __future__ import annotations
+
+import collections
+from itertools import accumulate
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+from ..base import INT64_MAX, INT64_MIN, add_to_counter, compare_set_refusal, describe_key, wrap_int64
+from .codec import MAX_VALUE_BYTES
+
+
+class StateError(ValueError):
+    """A request the state refuses: ADD on a value that is not a number, an APPEND past
+    the value limit. The server closes that client's connection with this text (the
+    protocol has no error reply, and torch's servers do the same)."""
+
+
+class Waiter:
+    """A party that can wait for keys or a barrier: ``wait_count`` > 0 while it waits."""
+
+    __slots__ = ("wait_count", "wait_keys", "barrier_key", "closed")
+
+    def __init__(self) -> None:
+        self.wait_count = 0  # keys (or 1 for a barrier) still missing
+        self.wait_keys: Sequence[bytes] = ()
+        self.barrier_key: Optional[bytes] = None
+        self.closed = False  # a closed waiter is never released
+
+
+class KeyValueState:
+    """The store's contents and waits. ``data`` may be read directly (the server's GET and
+    LIST_KEYS do); every change goes through a method, which wakes the waiters it should."""
+
+    def __init__(self, on_release: Callable[[Waiter], None], max_value: int = MAX_VALUE_BYTES):
+        self.on_release = on_release
+        self.max_value = max_value
+        self.data: Dict[bytes, bytes] = {}
+        self.queues: Dict[bytes, Deque[bytes]] = {}
+        self.waiters: Dict[bytes, List[Waiter]] = {}
+        self.barrier_waiters: Dict[bytes, List[Waiter]] = {}
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def present(self, key: bytes) -> bool:
+        """Whether ``key`` holds a value or a non-empty queue."""
+        return key in self.data or bool(self.queues.get(key))
+
+    def check(self, keys: Sequence[bytes]) -> bool:
+        """CHECK: whether every key is present (no key: True)."""
+        present = self.present
+        return all(present(k) for k in keys)
+
+    def num_keys(self) -> int:
+        """GETNUMKEYS: the keys with a value (queues are not counted)."""
+        return len(self.data)
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def set(self, key: bytes, value: bytes) -> None:
+        self.data[key] = value
+        if key in self.waiters:
+            self._wake(key)
+
+    def multi_set(self, pairs: Sequence[Tuple[bytes, bytes]]) -> None:
+        data = self.data
+        waiters = self.waiters
+        for key, value in pairs:
+            data[key] = value
+            if key in waiters:
+                self._wake(key)
+
+    def append(self, key: bytes, value: bytes) -> None:
+        """APPEND: create or extend; StateError past ``max_value`` (nothing changes then)."""
+        old = self.data.get(key)
+        new = value if old is None else old + value
+        if len(new) > self.max_value:
+            raise StateError(
+                f"APPEND to key {describe_key(key)} would make a value of {len(new)} bytes, "
+                f"over the limit of {self.max_value}")
+        self.set(key, new)
+
+    def delete(self, key: bytes) -> bool:
+        """DELETE_KEY: whether the key was there. Waiters are neither woken nor cancelled."""
+        return self.data.pop(key, None) is not None
+
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        """torch's four cases (``base.compare_set_refusal``); wakes waiters only when it
+        writes."""
+        refused = compare_set_refusal(self.data.get(key), expected, desired)
+        if refused is not None:
+            return refused
+        self.data[key] = desired
+        if key in self.waiters:
+            self._wake(key)
+        return desired
+
+    # -- counters ----------------------------------------------------------------------------------
+
+    def counter(self, key: bytes, what: str = "ADD") -> int:
+        """The number at ``key`` as ADD reads it (absent: 0). StateError, naming ``what``
+        and the key, when it holds no number."""
+        try:
+            return add_to_counter(self.data.get(key), 0, key)
+        except (ValueError, IndexError) as exc:
+            raise _not_a_counter(what, key, exc) from None
+
+    def add(self, key: bytes, delta: int, what: str = "ADD") -> int:
+        """ADD (``base.add_to_counter``), stored as decimal ASCII; wakes waiters; the new
+        value. StateError, naming ``what`` and the key, when the key holds no number."""
+        old = self.data.get(key)
+        if old is not None and old.isdigit() and len(old) < 19:  # add_to_counter's usual case,
+            value = int(old) + delta  # inline: the request path of every single-client ADD
+            if value > INT64_MAX:
+                value = wrap_int64(value)
+        else:
+            try:
+                value = add_to_counter(old, delta, key)
+            except (ValueError, IndexError) as exc:
+                raise _not_a_counter(what, key, exc) from None
+        self.data[key] = b"%d" % value
+        if key in self.waiters:
+            self._wake(key)
+        return value
+
+    def add_many(self, key: bytes, deltas: Sequence[int]) -> List[int]:
+        """Several ADDs on one key in a row: the value after each, as ``add`` would return
+        them, with one parse, one store and one wake-up (a barrier's arrivals in one turn)."""
+        values = list(accumulate(deltas, initial=self.counter(key)))  # C-level: once per rank
+        del values[0]
+        if values and (max(values) > INT64_MAX or min(values) < INT64_MIN):
+            values = []  # a run that wraps: add_to_counter's rule, one ADD at a time
+            value = self.counter(key)
+            for delta in deltas:
+                value = wrap_int64(value + delta)
+                values.append(value)
+        if not values:
+            return values
+        self.data[key] = b"%d" % values[-1]
+        if key in self.waiters:
+            self._wake(key)
+        return values
+
+    # -- queues ------------------------------------------------------------------------------------
+
+    def queue_push(self, key: bytes, value: bytes) -> None:
+        """QUEUE_PUSH: append; release the first waiter this push satisfies (torch's rule)."""
+        self.queues.setdefault(key, collections.deque()).append(value)
+        if key in self.waiters:
+            self._wake_one(key)
+
+    def queue_pop(self, key: bytes) -> Tuple[int, Optional[bytes]]:
+        """QUEUE_POP: (length before the pop, the front value), or (0, None) when empty."""
+        queue = self.queues.get(key)
+        if not queue:
+            return 0, None
+        length = len(queue)
+        value = queue.popleft()
+        if not queue:
+            del self.queues[key]
+        return length, value
+
+    def queue_len(self, key: bytes) -> int:
+        return len(self.queues.get(key, ()))
+
+    # -- waiting -----------------------------------------------------------------------------------
+
+    def wait(self, waiter: Waiter, keys: Sequence[bytes]) -> bool:
+        """WAIT: True when every key is present now; else ``waiter`` waits for the missing
+        ones (a key listed twice counts twice, as torch) and False."""
+        data = self.data
+        queues = self.queues
+        waiters = self.waiters
+        if len(keys) == 1:  # the usual case (every rank of a barrier), without a loop
+            key = keys[0]
+            if key in data or queues.get(key):
+                return True
+            waiting = waiters.get(key)
+            if waiting is None:
+                waiters[key] = [waiter]
+            else:
+                waiting.append(waiter)
+            waiter.wait_keys = keys
+            waiter.wait_count = 1
+            return False
+        missing = [k for k in keys if k not in data and not queues.get(k)]
+        if not missing:
+            return True
+        for key in missing:
+            waiting = waiters.get(key)
+            if waiting is None:
+                waiters[key] = [waiter]
+            else:
+                waiting.append(waiter)
+        waiter.wait_keys = missing
+        waiter.wait_count = len(missing)
+        return False
+
+    def barrier(self, waiter: Waiter, key: bytes, world_size: int) -> bool:
+        """BARRIER: counter ``key`` += 1 (ADD's rules). True when that fills the barrier (its
+        earlier participants are released); else ``waiter`` waits for the rest and False."""
+        count = self.add(key, 1, "BARRIER")
+        if count >= world_size:
+            for other in self.barrier_waiters.pop(key, ()):
+                if not other.closed and other.wait_count:
+                    other.wait_count = 0
+                    self._release(other)
+            return True
+        self.barrier_waiters.setdefault(key, []).append(waiter)
+        waiter.barrier_key = key
+        waiter.wait_count = 1
+        return False
+
+    def cancel(self, waiter: Waiter) -> None:
+        """Forget every wait of ``waiter`` (CANCEL_WAIT, or its connection closed)."""
+        for key in waiter.wait_keys:
+            _unregister(self.waiters, key, waiter)
+        if waiter.barrier_key is not None:
+            _unregister(self.barrier_waiters, waiter.barrier_key, waiter)
+        waiter.wait_keys = ()
+        waiter.barrier_key = None
+        waiter.wait_count = 0
+
+    def _wake(self, key: bytes) -> None:
+        """``key`` now exists: count it off every wait on it; release the complete ones
+        (``_release``, inline: a barrier's release runs this loop once per rank)."""
+        waiting = self.waiters.pop(key, None)
+        if not waiting:
+            return
+        on_release = self.on_release
+        for waiter in waiting:
+            if waiter.closed or not waiter.wait_count:
+                continue
+            waiter.wait_count -= 1
+            if waiter.wait_count == 0:
+                waiter.wait_keys = ()
+                waiter.barrier_key = None
+                on_release(waiter)
+
+    def _wake_one(self, key: bytes) -> None:
+        """A queue push: count it off waits on ``key`` in order until one completes."""
+        waiting = self.waiters.get(key)
+        while waiting:
+            waiter = waiting.pop(0)
+            if waiter.closed or not waiter.wait_count:
+                continue
+            waiter.wait_count -= 1
+            if waiter.wait_count == 0:
+                self._release(waiter)
+                break
+        if not waiting:
+            self.waiters.pop(key, None)
+
+    def _release(self, waiter: Waiter) -> None:
+        waiter.wait_keys = ()
+        waiter.barrier_key = None
+        self.on_release(waiter)
+
+
+def _not_a_counter(what: str, key: bytes, exc: Exception) -> StateError:
+    return StateError(f"{what} on key {describe_key(key)}: {exc}")
+
+
+def _unregister(registry: Dict[bytes, List[Waiter]], key: bytes, waiter: Waiter) -> None:
+    """Take ``waiter`` off ``registry[key]`` (once), and the key off when none is left."""
+    waiting = registry.get(key)
+    if waiting is not None:
+        try:
+            waiting.remove(waiter)
+        except ValueError:
+            pass
+        if not waiting:
+            del registry[key]

@@ -1,0 +1,101 @@
+"""A rank that dies or stalls: the job ends within a bound, no rank is left behind, and the
+output names the dead rank (Open MPI's mpirun) or says what the others waited for (distlib's
+watchdog, after the group timeout)."""
+
+import re
+import time
+
+import pytest
+
+from .launch import is_open_mpi
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def _left_running(pids, grace: float = 10.0):
+    """The pids still running ``grace`` seconds after mpirun returned (it may return while
+    its daemon is still reaping the ranks)."""
+    deadline = time.monotonic() + grace
+    while True:
+        running = [p for p in pids if _alive(p)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.fixture
+def open_mpi(mpi_ready):
+    if not is_open_mpi():
+        pytest.skip("the expected texts are Open MPI's mpirun's")
+
+
+def test_a_killed_rank_ends_the_job_and_mpirun_names_it(open_mpi, suites):
+    """Rank 1 SIGKILLs itself in the middle of a loop of all_reduce: mpirun stops the other
+    ranks (blocked in MPI_Allreduce waiting for it) and says which rank died and how."""
+    job = suites("killed", 3)
+    text = _one_line(job.output)
+    assert job.returncode != 0, text
+    assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on signal 9 \(Killed\)", text), text
+    assert job.seconds < 60, f"the job took {job.seconds:.0f}s to end"
+    pids = [values[1] for values in (r.get("pids") for r in job.results) if values and values[0] == "ok"]
+    assert len(pids) == 3 and not _left_running(pids), f"ranks left running: {pids}"
+    for rank in (0, 2):
+        assert "killed_mid_all_reduce" not in job.results[rank], "a survivor finished a collective with a dead peer"
+
+
+def test_a_stalled_rank_is_named_and_the_watchdog_ends_the_job_after_the_group_timeout(open_mpi, suites, tmp_path):
+    """Rank 2 stays in its own code; ranks 0 and 1 wait in all_reduce. After the group timeout
+    (3 s) their watchdogs ask every rank what it is doing, say what they waited for, on which
+    group and hosts, and that rank 2 is in its own code, and abort the job: nobody hangs, the
+    stalled rank included."""
+    from .launch import run_job
+
+    job = run_job(3, "stall", tmp_path / "stall", timeout=120, extra=["--timeout", "3"])
+    text = _one_line(job.output)
+    assert job.seconds < 3 + 25, f"the job took {job.seconds:.0f}s to end"
+    assert job.returncode == 62, (job.returncode, text[-3000:])
+    reports = re.findall(r"distlib mpi: rank (\d) of MPI_COMM_WORLD \(host \S+, pid \d+\): all_reduce of 4 x float32 "
+                         r"\(op #1\) on group pg0/mpi \(ranks 0-2 on \S+\) did not finish within the group timeout "
+                         r"\(3\.0s\)\. Not there: rank 2 \(host \S+\) is not in an MPI call: it has been in its own "
+                         r"code for [\d.]+s \(its last MPI call: [^;]*\); waiting in it too: rank (\d)", text)
+    assert reports and all({a, b} == {"0", "1"} for a, b in reports), text[-3000:]
+    assert "MPI_ABORT was invoked on rank" in text and "Errorcode: 62" in text, text[-3000:]
+    pids = [r["pids"][1] for r in job.results if "pids" in r]
+    assert len(pids) == 3 and not _left_running(pids), f"ranks left running: {pids}"
+
+
+def test_a_rank_in_another_collective_is_named_with_what_it_runs(open_mpi, suites, tmp_path):
+    """Rank 2 broadcasts while ranks 0 and 1 all_reduce: MPI does not notice; after the group
+    timeout the waiting ranks' watchdogs name rank 2 and the operation it is in."""
+    from .launch import run_job
+
+    job = run_job(3, "mismatch", tmp_path / "mismatch", timeout=120, extra=["--timeout", "3"])
+    text = _one_line(job.output)
+    assert job.returncode == 62 and job.seconds < 3 + 25, (job.returncode, job.seconds, text[-3000:])
+    assert re.search(r"all_reduce of 4 x float32 \(op #1\) on group pg0/mpi \(ranks 0-2 on \S+\) did not finish "
+                     r"within the group timeout \(3\.0s\)\. Not there: rank 2 \(host \S+\) is waiting in another "
+                     r"operation: broadcast of 4 x float32 \(op #1\) on pg0/mpi for [\d.]+s", text), text[-3000:]
+    pids = [r["pids"][1] for r in job.results if "pids" in r]
+    assert len(pids) == 3 and not _left_running(pids), f"ranks left running: {pids}"
+
+
+def test_exiting_with_an_operation_in_flight_aborts_instead_of_hanging_in_finalize(open_mpi, suites):
+    """MPI_Finalize would wait for the all_reduce rank 0 left running; distlib's exit hook
+    names it and aborts the job."""
+    job = suites("exit_pending", 2)
+    text = _one_line(job.output)
+    assert job.returncode == 62, (job.returncode, text[-3000:])
+    assert job.seconds < 30, f"the job took {job.seconds:.0f}s to end"
+    assert ("rank 0 of MPI_COMM_WORLD" in text and "exiting while 1 MPI operation(s) are still in flight "
+            "(all_reduce of 4 x float64 on pg0/mpi)" in text), text[-3000:]
+    assert job.case("left_in_flight") == ["returned", "returned"]
