@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from tests.fixtures.docker import exec_text, labelled_container, run_build_script
+from tests.fixtures.docker import exec_text, idle_container, labelled_container, run_build_script
 
 from .test_image import VENV, repo_version, working_tree_sources
 
@@ -41,12 +41,8 @@ def cuda_image(docker_client) -> str:
 
 @pytest.fixture(scope="module")
 def box(cuda_image):
-    ctr = labelled_container(cuda_image, command="sleep infinity")
-    ctr.start()
-    try:
+    with idle_container(cuda_image) as ctr:
         yield ctr
-    finally:
-        ctr.stop()
 
 
 def run_ok(box, command) -> str:

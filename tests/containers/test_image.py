@@ -24,6 +24,7 @@ from tests.fixtures.docker import (
     DEBOOTSTRAP_BASE,
     REPO_ROOT,
     exec_text,
+    idle_container,
     labelled,
     labelled_container,
     run_build_script,
@@ -71,12 +72,8 @@ def image(docker_client, distlib_image):
 @pytest.fixture(scope="module")
 def box(distlib_image):
     """One long-running container of the image for the read-only checks of this module."""
-    ctr = labelled_container(distlib_image, command="sleep infinity")
-    ctr.start()
-    try:
+    with idle_container(distlib_image) as ctr:
         yield ctr
-    finally:
-        ctr.stop()
 
 
 def run_ok(box, command: str | list[str]) -> str:

@@ -21,7 +21,7 @@ import pytest
 
 from distlib.store.tcp import StoreServer, TCPStore
 from distlib.store.tcp import codec as proto
-from tests.fixtures.ports import free_port
+from distlib.tools.store_service import StoreServerProcess
 from tests.fixtures.sockets import closed_by_server, recv_exact
 
 HELLO = proto.validate() + proto.ping(1234)
@@ -192,23 +192,13 @@ def test_a_wide_wake_up_reaches_every_waiter_once(caplog):
 
 @pytest.fixture
 def service(tmp_path):
-    port = free_port()
-    log_file = open(tmp_path / "store-server.log", "w+")  # a pipe nobody drains would block it
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distlib.cli", "store-server", "--host", "127.0.0.1", "--port", str(port)],
-        stderr=log_file, text=True,
-    )
-    proc.log_file = log_file
-    ping = [sys.executable, "-m", "distlib.cli", "store-server", "--ping", f"127.0.0.1:{port}", "--timeout", "10"]
-    assert subprocess.run(ping, capture_output=True, timeout=30).returncode == 0
-    yield proc, port
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
+    """A `distlib store-server` process as deployments run it, logging at INFO to a file."""
+    with StoreServerProcess(log_level="INFO", log_path=str(tmp_path / "store-server.log")) as server:
+        yield server
 
 
 def test_ping_health_check_and_sigterm(service):
-    proc, port = service
+    proc, port = service.proc, service.port
     result = subprocess.run(
         [sys.executable, "-m", "distlib.cli", "store-server", "--ping", f"127.0.0.1:{port}"],
         capture_output=True, text=True, timeout=30)
@@ -218,8 +208,7 @@ def test_ping_health_check_and_sigterm(service):
     client.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
-    proc.log_file.seek(0)
-    log = proc.log_file.read()
+    log = service.log_text()
     assert "connected" in log and "disconnected" in log and "shutting down" in log
     result = subprocess.run(
         [sys.executable, "-m", "distlib.cli", "store-server", "--ping", f"127.0.0.1:{port}", "--timeout", "0.5"],
@@ -228,7 +217,7 @@ def test_ping_health_check_and_sigterm(service):
 
 
 def test_thousands_of_idle_connections(service):
-    proc, port = service
+    proc, port = service.proc, service.port
     wanted = 3000
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < wanted + 100:
@@ -255,7 +244,7 @@ def test_thousands_of_idle_connections(service):
 
 def test_torch_client_sequence_is_served(service):
     """The exact request sequence of a torch client (from the spec's captures)."""
-    _, port = service
+    port = service.port
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.sendall(b"\x00\xce\xf7\x85\x3c")
     sock.sendall(b"\x0d\x41\x63\x00\x00")

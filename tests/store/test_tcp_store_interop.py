@@ -36,6 +36,7 @@ import torch.distributed as tdist  # noqa: E402
 from distlib import DistStoreError, QueueEmptyError  # noqa: E402
 from distlib.store import PrefixStore  # noqa: E402
 from distlib.store.tcp import TCPStore  # noqa: E402
+from distlib.tools.store_service import StoreServerProcess  # noqa: E402
 from tests.fixtures.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.interop
@@ -45,35 +46,16 @@ SPAWN = multiprocessing.get_context("spawn")
 JOIN_TIMEOUT = 180
 
 
-def start_store_server(tmp_path, port: int):
-    """``distlib store-server`` on 127.0.0.1:port; returns the process once it answers."""
-    log_file = open(tmp_path / f"store-server-{port}.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distlib.cli", "store-server", "--host", "127.0.0.1", "--port", str(port)],
-        stderr=log_file,
-    )
-    proc.log_file = log_file
-    ping = [sys.executable, "-m", "distlib.cli", "store-server", "--ping", f"127.0.0.1:{port}", "--timeout", "20"]
-    result = subprocess.run(ping, capture_output=True, text=True, timeout=60)
-    if result.returncode != 0:
-        proc.kill()
-        proc.wait(10)
-        raise AssertionError(f"distlib store-server did not come up: {result.stderr}")
-    return proc
+def start_store_server(tmp_path, port: int) -> StoreServerProcess:
+    """``distlib store-server`` on 127.0.0.1:port, logging at INFO; returned once it answers."""
+    return StoreServerProcess(port=port, log_level="INFO",
+                              log_path=str(tmp_path / f"store-server-{port}.log")).start(timeout=60)
 
 
-def stop_store_server(proc) -> str:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    proc.log_file.seek(0)
-    text = proc.log_file.read()
-    proc.log_file.close()
-    return text
+def stop_store_server(server: StoreServerProcess) -> str:
+    """Stop the server (SIGTERM, then SIGKILL); what it logged."""
+    server.stop()
+    return server.log_text()
 
 
 @pytest.fixture
