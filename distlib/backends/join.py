@@ -133,7 +133,10 @@ def claim(store, rank: int, record: Dict[str, object], label: str) -> None:
     number = store.add(_DUPLICATES, 1)
     store.set(_duplicate_key(number), json.dumps({"rank": rank, "text": text}))
     raise ValueError(f"{label}: {text}. This process ({claimant(record)}) gives up; the one that claimed "
-                     f"rank {rank} first goes on. Check the launcher's RANK (or rank=) for every process.")
+                     f"rank {rank} first goes on. Check the launcher's RANK (or rank=) for every process; if "
+                     f"the first claimant is no longer running, the store holds an earlier job's keys (a reused "
+                     f"store file, or a master service with the same run id): start with a fresh one or a new "
+                     f"DISTLIB_RUN_ID.")
 
 
 def _poll_interval(deadline: Deadline) -> float:
