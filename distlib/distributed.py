@@ -21,7 +21,7 @@ from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
 from .errors import DistBackendError
 from .group import NON_GROUP_MEMBER, GroupMember, ProcessGroup, world
-from .rendezvous import default_pg_timeout, rendezvous
+from .rendezvous import check_rank, default_pg_timeout, rendezvous
 from .store.prefix import PrefixStore
 
 log = logging.getLogger("distlib.distributed")
@@ -218,6 +218,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                 raise ValueError("world_size must be positive if using store")
             if rank < 0:
                 raise ValueError("rank must be non-negative if using store")
+            check_rank(rank, world_size, f"rank={rank}, from the rank= argument",
+                       f"world_size={world_size}, from the world_size= argument")
         elif init_method is None:
             init_method = "env://"
         device_id = parse_device_id(device_id)

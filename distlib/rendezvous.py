@@ -20,7 +20,7 @@ from __future__ import annotations
 import numbers
 import os
 from datetime import timedelta
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 from urllib.parse import urlparse, urlunparse
 
 from . import settings
@@ -58,6 +58,7 @@ def rendezvous(url, rank: int = -1, world_size: int = -1, **kwargs) -> Iterator[
 
 def _rendezvous_helper(url: str, rank: int, world_size: int, **kwargs) -> Iterator[RendezvousResult]:
     result = urlparse(url)
+    origins = {name: "argument" for name, value in (("rank", rank), ("world_size", world_size)) if value != -1}
     if rank != -1 or world_size != -1:
         query = _query_to_dict(result.query)
         if "rank" in query or "world_size" in query:
@@ -70,7 +71,10 @@ def _rendezvous_helper(url: str, rank: int, world_size: int, **kwargs) -> Iterat
         url = urlunparse(result)
     if result.scheme not in _handlers:
         raise RuntimeError(f"No rendezvous handler for {result.scheme}://")
-    return _handlers[result.scheme](url, **kwargs)
+    handler = _handlers[result.scheme]
+    if handler in _BUILTIN:  # a user's handler keeps torch's keyword arguments
+        kwargs["origins"] = origins
+    return handler(url, **kwargs)
 
 
 def _query_to_dict(query: str) -> Dict[str, str]:
@@ -80,6 +84,35 @@ def _query_to_dict(query: str) -> Dict[str, str]:
 
 def _rendezvous_error(msg: str) -> ValueError:
     return ValueError("Error initializing torch.distributed using " + msg)
+
+
+def check_rank(rank: int, world_size: int, rank_from: str, size_from: str) -> None:
+    """ValueError, before anything waits on the network, when ``rank`` and ``world_size`` cannot
+    describe a group; ``*_from`` say where each value came from (the environment, an argument,
+    the URL), since a launcher's environment is the usual culprit."""
+    if world_size < 1:
+        raise ValueError(f"the world size must be at least 1, but it is {world_size} ({size_from})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} ({rank_from}) is outside [0, {world_size}) for world size {world_size} "
+                         f"({size_from}): ranks go from 0 to {world_size - 1}")
+
+
+def _origin(name: str, env_name: str, query: Dict[str, str], origins: Dict[str, str]) -> str:
+    """Where a handler's ``name`` came from, in words (see check_rank)."""
+    if name in origins:
+        return f"{name}={query.get(name)}, from the {name}= argument"
+    if name in query:
+        return f"{name}={query[name]}, from the init_method URL"
+    return f"{env_name}={os.environ.get(env_name)}, from the environment"
+
+
+def _checked(error: Callable[[str], ValueError], query: Dict[str, str], origins: Dict[str, str], rank: int,
+             world_size: int) -> None:
+    try:
+        check_rank(rank, world_size, _origin("rank", "RANK", query, origins),
+                   _origin("world_size", "WORLD_SIZE", query, origins))
+    except ValueError as exc:
+        raise error(str(exc)) from None
 
 
 def _use_libuv(query: Dict[str, str]) -> bool:
@@ -114,7 +147,7 @@ def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, time
 
 
 def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, wait_for_workers: bool = True,
-                            **kwargs):
+                            origins: Optional[Dict[str, str]] = None, **kwargs):
     def error(msg: str) -> ValueError:
         return _rendezvous_error("tcp:// rendezvous: " + msg)
 
@@ -128,6 +161,7 @@ def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, w
         raise error("world size parameter missing")
     rank = int(query["rank"])
     world_size = int(query["world_size"])
+    _checked(error, query, origins or {}, rank, world_size)
     assert result.hostname is not None, f"tcp:// URL without a host: {url}"
     store = create_c10d_store(result.hostname, result.port, rank, world_size, timeout, query, wait_for_workers)
     yield (store, rank, world_size)
@@ -135,7 +169,7 @@ def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, w
 
 
 def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, wait_for_workers: bool = True,
-                            **kwargs):
+                            origins: Optional[Dict[str, str]] = None, **kwargs):
     def error(msg: str) -> ValueError:
         return _rendezvous_error("env:// rendezvous: " + msg)
 
@@ -148,6 +182,7 @@ def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, w
     query = _query_to_dict(urlparse(url).query)
     rank = int(query["rank"]) if "rank" in query else int(env_or_raise("RANK"))
     world_size = int(query["world_size"]) if "world_size" in query else int(env_or_raise("WORLD_SIZE"))
+    _checked(error, query, origins or {}, rank, world_size)
     master_addr = env_or_raise("MASTER_ADDR")
     master_port = int(env_or_raise("MASTER_PORT"))
     store = create_c10d_store(master_addr, master_port, rank, world_size, timeout, query, wait_for_workers)
@@ -155,7 +190,7 @@ def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, w
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
 
-def _file_rendezvous_handler(url: str, **kwargs):
+def _file_rendezvous_handler(url: str, origins: Optional[Dict[str, str]] = None, **kwargs):
     def error(msg: str) -> ValueError:
         return _rendezvous_error("file:// rendezvous: " + msg)
 
@@ -172,10 +207,13 @@ def _file_rendezvous_handler(url: str, **kwargs):
         raise error("world size parameter missing")
     rank = int(query["rank"])
     world_size = int(query["world_size"])
+    _checked(error, query, origins or {}, rank, world_size)
     store = FileStore(path, world_size)
     yield (store, rank, world_size)
     raise RuntimeError("Unable to perform rerendezvous using file:// method")
 
+
+_BUILTIN = (_tcp_rendezvous_handler, _env_rendezvous_handler, _file_rendezvous_handler)
 
 register_rendezvous_handler("tcp", _tcp_rendezvous_handler)
 register_rendezvous_handler("env", _env_rendezvous_handler)

@@ -118,6 +118,12 @@ def port_range(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, i
     return low, high
 
 
+def mesh_bind_all(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether a rank's mesh listener binds every interface (DISTLIB_MESH_BIND_ALL, default no:
+    only the address it advertises)."""
+    return flag("DISTLIB_MESH_BIND_ALL", False, env)
+
+
 def shared_memory(env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether ranks of one host may use shared memory (DISTLIB_SHM, default yes)."""
     return flag("DISTLIB_SHM", True, env)

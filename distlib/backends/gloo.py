@@ -6,9 +6,13 @@ shared memory between ranks of one host (transport/shm.py), and an algorithm per
 and size (algorithms/). Setting up, in order:
 
 1. listen on the advertised address (transport/address.py), in DISTLIB_PORT_RANGE if set;
+   only on that address (every interface with DISTLIB_MESH_BIND_ALL=1): peers connect to it,
+   and nothing else needs to reach the listener;
 2. publish the address and host identity, wait for every rank's (backends/join.py: logs
-   progress, names the missing ranks on timeout);
-3. connect the mesh (one per GLOO_SOCKET_IFNAME interface; collectives round-robin);
+   progress, names the missing ranks on timeout); check that every rank agrees on whether
+   the job has a token (DISTLIB_AUTH_TOKEN), so a rank without it is told so at once;
+3. connect the mesh (one per GLOO_SOCKET_IFNAME interface; collectives round-robin), every
+   connection authenticated with the token when there is one (transport/tcp.py);
 4. if every rank is on this host (and DISTLIB_SHM is not 0): the small-collective channel
    (transport/shm_channel.py), through which every collective whose per-rank part fits
    SMALL_SLOT_BYTES goes, without a system call when the ranks are running; all_reduce of
@@ -18,7 +22,6 @@ and size (algorithms/). Setting up, in order:
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from datetime import timedelta
 from functools import partial
@@ -26,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import settings
+from .. import auth, settings
 from ..algorithms import gather as gather_algos
 from ..algorithms import reduce as reduce_algos
 from ..algorithms import shm_small
@@ -37,6 +40,7 @@ from ..arrays import device_of, dtype_code
 from ..cpus import usable_cpus
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError
+from ..net import format_endpoint as net_endpoint
 from ..reduce_op import ReduceOp, finish, kernel, prepare_input
 from ..transport import address as addr
 from ..transport import frames
@@ -112,14 +116,31 @@ class GlooBackend(CommBackend):
     # -- setting up ------------------------------------------------------------------------------
 
     def _establish(self, deadline: Deadline) -> None:
+        token = auth.configured_token()
         advertised = addr.advertised_addresses(self.store)
         port_range = settings.port_range()
+        bind_all = settings.mesh_bind_all()
         listeners = []
+        try:
+            self._listen(advertised, port_range, bind_all, listeners)
+            self._join_and_connect(deadline, token, advertised, listeners)
+        except BaseException:
+            for listener in listeners:
+                if not any(mesh.listener is listener for mesh in self.meshes):
+                    listener.close()
+            raise
+
+    def _listen(self, advertised, port_range, bind_all: bool, listeners: List) -> None:
         for address, why in advertised:
-            bind_to = address if os.environ.get("GLOO_SOCKET_IFNAME") else ("::" if ":" in address else "0.0.0.0")
+            bind_to = ("::" if ":" in address else "0.0.0.0") if bind_all else address
             listeners.append(addr.listen(bind_to, port_range, backlog=max(16, self.size)))
-            log.debug("%s: rank %d advertises %s (%s)", self.label, self.rank, address, why)
+            log.debug("%s: rank %d advertises %s (%s), listens on %s", self.label, self.rank, address, why,
+                      bind_to)
+
+    def _join_and_connect(self, deadline: Deadline, token: Optional[bytes], advertised, listeners) -> None:
         record = dict(local_facts())
+        if token is not None:
+            record["auth"] = True  # that it requires the token, never the token
         record["addresses"] = [[address, sock.getsockname()[1]] for (address, _), sock in zip(advertised, listeners)]
         record["host_id"] = addr.host_identity()
         if self.rank == 0:
@@ -127,6 +148,7 @@ class GlooBackend(CommBackend):
         records = publish_and_gather(self.store, self.rank, self.size, record, deadline,
                                      f"{self.label} rank {self.rank}")
         self.records = records
+        self._check_auth_agreement(records, token is not None)
         hosts = {rec["host_id"] for rec in records}
         self.all_local = len(hosts) == 1
         if len(hosts) > 1:
@@ -136,12 +158,34 @@ class GlooBackend(CommBackend):
         self.crowded = sum(self._on_this_machine(records, record["host_id"])) > usable_cpus()
         for index, listener in enumerate(listeners):
             mesh = Mesh(self.rank, self.size, self.timeout_s, mesh_id + index,
-                        f"{self.label}" + (f"[if{index}]" if len(listeners) > 1 else ""))
+                        f"{self.label}" + (f"[if{index}]" if len(listeners) > 1 else ""), token=token)
             mesh.listener = listener
             peers = [tuple(rec["addresses"][min(index, len(rec["addresses"]) - 1)]) for rec in records]
             mesh.connect_all(peers, deadline, rcvbuf)
             self.meshes.append(mesh)
         self._setup_small()
+
+    def _check_auth_agreement(self, records, has_token: bool) -> None:
+        """AuthError at once, on every rank concerned, when some ranks have the job's token and
+        others do not (the handshake would fail on the first connection between them, with a
+        less direct message, or only at the deadline)."""
+        others = [r for r, rec in enumerate(records) if bool(rec.get("auth")) != has_token]
+        if not others:
+            return
+        where = ", ".join(f"rank {r} at {net_endpoint(*records[r]['addresses'][0])}" for r in others[:8])
+        more = f" and {len(others) - 8} more" if len(others) > 8 else ""
+        verb = "does" if len(others) == 1 else "do"
+        if has_token:
+            raise auth.AuthError(
+                f"{self.label}: rank {self.rank} has DISTLIB_AUTH_TOKEN, but {where}{more} {verb} not: their mesh "
+                f"listeners do not require authentication, and a rank with the token neither connects to nor "
+                f"accepts unauthenticated peers. Give every rank the same DISTLIB_AUTH_TOKEN (or "
+                f"DISTLIB_AUTH_TOKEN_FILE)")
+        raise auth.AuthError(
+            f"{self.label}: {where}{more} {'requires' if len(others) == 1 else 'require'} authentication "
+            f"(DISTLIB_AUTH_TOKEN is set there), but rank "
+            f"{self.rank} has no DISTLIB_AUTH_TOKEN. Give every rank the same DISTLIB_AUTH_TOKEN (or "
+            f"DISTLIB_AUTH_TOKEN_FILE)")
 
     @staticmethod
     def _on_this_machine(records, host_id: str) -> List[bool]:

@@ -3,6 +3,10 @@
 Establishing: every rank listens, publishes ``host:port`` (and its host identity) in the
 group's store, waits for everyone's, connects to every lower rank and accepts every higher
 one; a HELLO frame names the connecting rank and the group, so a stray connection is refused.
+With a job token (auth.py) every connection first runs the challenge-response, the acceptor
+speaking first: a peer that cannot prove the token is refused before one byte of it is read
+as a frame (object collectives unpickle what peers send), logged once per address, and the
+mesh goes on waiting for the real peer.
 
 Moving bytes (frames.py for the layout):
 
@@ -43,6 +47,7 @@ import time
 from functools import partial
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
+from .. import auth
 from ..busy_poll import BusyPoll
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError, DistNetworkError
@@ -70,6 +75,10 @@ EAGER_REARM_BYTES = 256 << 10
 #: SO_RCVBUF of a connection between two ranks on one machine when that machine runs more of
 #: the group's ranks than it has CPUs. See crowded_receive_buffer.
 CROWDED_RCVBUF = 2048 << 10
+#: How long an accepted connection has to answer the authentication challenge. A real peer
+#: is blocked waiting for it and answers in one round trip; a connection that sends nothing
+#: must not hold up the peers queued behind it for the whole init timeout.
+AUTH_REPLY_S = 5.0
 _POLLIN = select.POLLIN | select.POLLPRI
 _EPOLLIN_ONCE = select.EPOLLIN | select.EPOLLONESHOT
 
@@ -218,8 +227,13 @@ class PeerConnection:
 class Mesh:
     """The connections of one process group (or of one interface of it)."""
 
-    def __init__(self, rank: int, size: int, timeout_s: float, mesh_id: int, label: str):
+    def __init__(self, rank: int, size: int, timeout_s: float, mesh_id: int, label: str,
+                 token: Optional[bytes] = None):
         self.rank = rank
+        #: The job's token: every connection is authenticated with it (None: not at all).
+        self.token = token
+        #: host -> [connections refused, the last reason]: for the log and the timeout error
+        self.refused: Dict[str, list] = {}
         self.size = size
         self.timeout_s = timeout_s
         self.mesh_id = mesh_id
@@ -262,11 +276,16 @@ class Mesh:
         for peer in range(self.rank):
             host, port = addresses[peer]
             sock = self._connect(peer, host, port, deadline)
+            if self.token is not None:
+                self._authenticate_to(peer, sock, host, port, deadline)
             sock.sendall(hello)
             self._add(peer, sock, endpoint(host, port), rcvbuf[peer] if peer < len(rcvbuf) else 0)
         expected = set(range(self.rank + 1, self.size))
         while expected:
             sock, peer_addr = self._accept(expected, deadline)
+            if self.token is not None and not self._authenticate_peer(sock, peer_addr, deadline):
+                sock.close()
+                continue
             peer = self._read_hello(sock, deadline)
             if peer is None or peer not in expected:
                 sock.close()
@@ -312,7 +331,45 @@ class Mesh:
                     f"{self.label}: rank {self.rank} waited {format_duration(deadline.seconds)} for ranks {missing} "
                     f"to connect to {endpoint(*self.listener.getsockname()[:2])}; they published their addresses "
                     f"but never connected (a firewall, or this rank's advertised address is unreachable from "
-                    f"them: set GLOO_SOCKET_IFNAME)")
+                    f"them: set GLOO_SOCKET_IFNAME){self._refusals_text()}")
+
+    def _authenticate_to(self, peer: int, sock: socket.socket, host: str, port: int, deadline: Deadline) -> None:
+        """Prove the token to rank ``peer``'s listener, and make it prove it back."""
+        where = f"rank {peer} at {endpoint(host, port)}"
+        try:
+            auth.connect_blocking(sock, self.token, deadline, where)
+        except (auth.AuthError, OSError) as exc:
+            sock.close()
+            detail = str(exc) if isinstance(exc, auth.AuthError) else classify(exc)
+            raise auth.AuthError(
+                f"{self.label}: rank {self.rank} could not authenticate its mesh connection to {where}: {detail}. "
+                f"Every rank of the job must have the same DISTLIB_AUTH_TOKEN (or DISTLIB_AUTH_TOKEN_FILE)") from None
+
+    def _authenticate_peer(self, sock: socket.socket, peer_addr, deadline: Deadline) -> bool:
+        """Whether the connection just accepted proves the token; a refusal is logged (WARNING
+        once per address) and remembered for the timeout error."""
+        host = peer_addr[0] if isinstance(peer_addr, tuple) else str(peer_addr)
+        where = endpoint(host, peer_addr[1]) if isinstance(peer_addr, tuple) else host
+        try:
+            auth.accept_blocking(sock, self.token, Deadline(min(AUTH_REPLY_S, max(0.01, deadline.remaining()))),
+                                 f"the connection from {where}")
+            return True
+        except (auth.AuthError, OSError) as exc:
+            reason = str(exc) if isinstance(exc, auth.AuthError) else classify(exc)
+        entry = self.refused.setdefault(host, [0, ""])
+        entry[0] += 1
+        entry[1] = reason
+        (log.warning if entry[0] == 1 else log.debug)(
+            "%s: rank %d refused a mesh connection from %s: %s (this job's mesh requires authentication with "
+            "DISTLIB_AUTH_TOKEN; nothing it sent was read; further refusals from %s are logged at DEBUG)",
+            self.label, self.rank, where, reason, host)
+        return False
+
+    def _refusals_text(self) -> str:
+        if not self.refused:
+            return ""
+        parts = [f"{n} from {host} (last: {reason})" for host, (n, reason) in sorted(self.refused.items())]
+        return "; meanwhile it refused connections that failed authentication: " + "; ".join(parts)
 
     def _read_hello(self, sock: socket.socket, deadline: Deadline) -> Optional[int]:
         want = frames.HEADER_SIZE + frames.HELLO_PAYLOAD.size
