@@ -126,9 +126,9 @@ def test_the_token_files_compose_gets_in_each_mode(tmp_path, mode):
     assert "AUTH_TOKEN_FILE" not in off.compose_variables("r1")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_service_that_runs_distlib_mounts_the_token_read_only_and_never_sees_its_value(tmp_path, mode):
-    cfg = settings_of(tmp_path, MODE=mode, NODES="3")
+@pytest.mark.parametrize("mode, gpu", [(mode, "0") for mode in MODES] + [("tcp", "1"), ("rank0", "1")])
+def test_every_service_that_runs_distlib_mounts_the_token_read_only_and_never_sees_its_value(tmp_path, mode, gpu):
+    cfg = settings_of(tmp_path, MODE=mode, NODES="3", GPU=gpu)
     token = auth_token.make(cfg.auth_dir("r1"))
     secret = token.path.read_text().strip()
     text = rendered(cfg, "r1")

@@ -303,8 +303,8 @@ def _conclude(cfg: Settings, run: state.Run, workers: List[Any], judged: List[An
         for line in lines:
             print(f"cluster:   | {line}", file=sys.stderr)
     if status:
-        say(f"job FAILED in {elapsed:.0f} s (exit status {status}; {_auth_words(cfg.auth)}); all logs: make cluster-logs; remove: "
-            "make cluster-down")
+        say(f"job FAILED in {elapsed:.0f} s (exit status {status}; {_auth_words(cfg.auth)}); all logs: "
+            "make cluster-logs; remove: make cluster-down")
         return status
     where = f"report: {run_dir}/report.txt and report.json; " if report else ""
     say(f"job succeeded in {elapsed:.0f} s ({_auth_words(cfg.auth)}); {where}remove: make cluster-down")
