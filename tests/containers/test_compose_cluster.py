@@ -131,7 +131,11 @@ def check_the_run_used_its_token(proc: subprocess.CompletedProcess, docker_clien
     assert "auth on: every connection authenticated with the run's token" in proc.stderr, proc.stderr
     token_file = state_dir / project / "auth" / "token"
     token = token_file.read_text().strip()
-    assert len(token) == 64 and token_file.stat().st_mode & 0o777 == 0o600
+    # 600 and the image's user's (auth_token.py: 644 in a 700 directory for a host user who
+    # can give a file to no one)
+    assert len(token) == 64 and token_file.stat().st_mode & 0o777 == \
+        (0o600 if os.getuid() in (0, auth_token.IMAGE_UID) else 0o644)
+    assert token_file.parent.stat().st_mode & 0o777 == 0o700
     assert token not in proc.stdout + proc.stderr
     for path in (state_dir / project).glob("*.log"):
         assert token not in path.read_text(errors="replace"), path
@@ -670,6 +674,8 @@ def test_cluster_up_mpi_runs_the_job_under_mpirun_on_distinct_hosts(distlib_imag
     keys = cluster_state / project / "ssh"
     assert (keys / "id_ed25519").is_file() and (keys / "authorized_keys").is_file()
     assert keys.stat().st_mode & 0o777 == 0o700
+    check_the_run_used_its_token(proc, docker_client, cluster_state, project, "mpi")
+    assert "-x DISTLIB_AUTH_TOKEN_FILE" in launcher_log, launcher_log  # mpirun passes it on to the ranks
 
     down = run_cluster("down", cluster_state)
     assert down.returncode == 0, down.stderr
