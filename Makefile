@@ -75,7 +75,7 @@ image-gpu:
 	IMAGE=$(CUDA_IMAGE) TARGET=cuda docker/build-image.sh
 
 # distlib cluster (distlib/tools/cluster) reads the other variables from the environment:
-# GPU, NPROC_PER_NODE, SKIP_BUILD, JOB, JOB_DIR, JOB_ARGS, JOB_MODULE, NFS_SERVER, NFS_PATH, COMPOSE,
+# AUTH, GPU, NPROC_PER_NODE, SKIP_BUILD, JOB, JOB_DIR, JOB_ARGS, JOB_MODULE, NFS_SERVER, NFS_PATH, COMPOSE,
 # CLUSTER_TIMEOUT, CLUSTER_STATE_DIR, QUIET, RUN_ID (`make cluster-up JOB=...` passes them on).
 # IMAGE is passed on only when given: the default is distlib:cpu, or distlib:cuda with GPU=1.
 cluster-up: venv

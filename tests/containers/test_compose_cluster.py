@@ -120,6 +120,60 @@ def check_report(report: dict, nodes: int, epochs: int, init_prefix: str) -> Non
     assert report["weights"]["identical"] and len(set(report["weights"]["sha256"])) == 1
 
 
+def check_the_run_used_its_token(proc: subprocess.CompletedProcess, docker_client, state_dir: Path,
+                                 project: str, mode: str) -> str:
+    """AUTH (on by default): `up` said so, every container that runs distlib held the run's
+    token file read-only at /run/secrets/distlib/token, and the token itself is in no output,
+    log, run record or container environment. Returns the token."""
+    from distlib.tools.cluster import auth_token
+
+    assert "cluster: auth on: made this run's token in " in proc.stderr, proc.stderr
+    assert "auth on: every connection authenticated with the run's token" in proc.stderr, proc.stderr
+    token_file = state_dir / project / "auth" / "token"
+    token = token_file.read_text().strip()
+    # 600 and the image's user's (auth_token.py: 644 in a 700 directory for a host user who
+    # can give a file to no one)
+    assert len(token) == 64 and token_file.stat().st_mode & 0o777 == \
+        (0o600 if os.getuid() in (0, auth_token.IMAGE_UID) else 0o644)
+    assert token_file.parent.stat().st_mode & 0o777 == 0o700
+    assert token not in proc.stdout + proc.stderr
+    for path in (state_dir / project).glob("*.log"):
+        assert token not in path.read_text(errors="replace"), path
+    assert token not in (state_dir / "current.json").read_text()
+    services = {"tcp": {"master", "worker"}, "mpi": {"launcher", "worker"}}.get(mode, {"worker"})
+    holders = set()
+    for container in engine.project_containers(docker_client, project):
+        attrs = container.attrs
+        assert not any(token in e for e in attrs["Config"]["Env"] or []), container.name
+        assert token not in engine.logs_text(container), container.name
+        mounts = [m for m in attrs["Mounts"] if m["Destination"] == auth_token.CONTAINER_PATH]
+        if mounts:
+            assert [(m["Source"], m["RW"]) for m in mounts] == [(str(token_file), False)], mounts
+            assert f"DISTLIB_AUTH_TOKEN_FILE={auth_token.CONTAINER_PATH}" in attrs["Config"]["Env"]
+            holders.add(container.labels["com.docker.compose.service"])
+    assert holders == services
+    return token
+
+
+def check_the_master_requires_the_token(docker_client, project: str) -> None:
+    """The (stopped) master service, started again: its healthcheck's ping, which reads
+    DISTLIB_AUTH_TOKEN_FILE, is answered; the same ping without the token is refused."""
+    (master,) = engine.project_containers(docker_client, project, "master")
+    master.start()
+    ping = ["distlib", "store-server", "--ping", "127.0.0.1:29500", "--timeout", "3"]
+    deadline = time.monotonic() + 60
+    while True:
+        code, out = master.exec_run(ping)
+        if code == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert code == 0, out.decode(errors="replace")
+    code, out = master.exec_run(["env", "-u", "DISTLIB_AUTH_TOKEN_FILE", *ping])
+    text = out.decode(errors="replace")
+    assert code == 1 and "requires authentication: set DISTLIB_AUTH_TOKEN" in text, text
+    master.stop(timeout=5)
+
+
 # -- no engine needed ---------------------------------------------------------------------------
 
 
@@ -439,10 +493,13 @@ def test_cluster_up_tcp_runs_the_job_and_reports(impl, distlib_image, docker_cli
     assert again.returncode == 0 and again.stdout == (cluster_state / project / "report.txt").read_text()
     ps = run_cluster("ps", cluster_state)
     assert ps.returncode == 0 and len(re.findall(r"\bworker\s+exited\s+0\b", ps.stdout)) == 4, ps.stdout
+    check_the_run_used_its_token(proc, docker_client, cluster_state, project, "tcp")
+    check_the_master_requires_the_token(docker_client, project)
 
     down = run_cluster("down", cluster_state, compose=IMPLS[impl])
     assert down.returncode == 0, down.stderr
     assert leftovers(docker_client, project) == []
+    assert not (cluster_state / project / "auth").exists(), "down deletes the run's token"
 
 
 @pytest.mark.containers
@@ -456,6 +513,7 @@ def test_cluster_up_file_mode_on_a_shared_volume(distlib_image, docker_client, c
     run_id = project[len("distlib-"):]
     check_report(report, nodes=3, epochs=2, init_prefix=f"file:///shared/{run_id}/store")
     assert report["bandwidth"] == []
+    check_the_run_used_its_token(proc, docker_client, cluster_state, project, "file")
 
 
 @pytest.mark.containers
@@ -616,6 +674,8 @@ def test_cluster_up_mpi_runs_the_job_under_mpirun_on_distinct_hosts(distlib_imag
     keys = cluster_state / project / "ssh"
     assert (keys / "id_ed25519").is_file() and (keys / "authorized_keys").is_file()
     assert keys.stat().st_mode & 0o777 == 0o700
+    check_the_run_used_its_token(proc, docker_client, cluster_state, project, "mpi")
+    assert "-x DISTLIB_AUTH_TOKEN_FILE" in launcher_log, launcher_log  # mpirun passes it on to the ranks
 
     down = run_cluster("down", cluster_state)
     assert down.returncode == 0, down.stderr

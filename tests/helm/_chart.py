@@ -47,7 +47,9 @@ def gpu_values() -> dict[str, Any]:
 # an external master service, and the GPU example file.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "tcp": {},
-    "tcp-external-master": {"master": {"externalEndpoint": "store.infra.svc.cluster.local:29400"}},
+    # a shared store server has its own token: the chart mounts it from an existing Secret
+    "tcp-external-master": {"master": {"externalEndpoint": "store.infra.svc.cluster.local:29400"},
+                            "auth": {"existingSecret": "infra-store-token", "existingSecretKey": "store"}},
     "rank0": {"mode": "rank0", "nodes": 4, "nprocPerNode": 2},
     "file-claim": {"mode": "file", "file": {"existingClaim": "shared-rwx"}},
     "file-nfs": {

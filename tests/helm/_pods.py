@@ -92,6 +92,14 @@ persistentVolumeClaim, nfs        the Docker volume ``storage["pvc/<claim>"]`` o
                                   kubelet's ``fsGroup`` ownership change is done once, as root
                                   (``chgrp <fsGroup>``, ``chmod 2775``). ``subPath`` raises
                                   NotEmulated (Docker 20.10's API has no volume sub-paths)
+Secret, ``secret`` volume         the Secret's data (rendered with the chart, or passed to
+                                  ``Cluster(secrets=...)`` as one that already exists) written
+                                  into a Docker volume of the pod's, one file per item, as root
+                                  with ``defaultMode`` and, with ``fsGroup``, that group and
+                                  group read (the kubelet's ownership change); mounted read-only
+                                  (the kubelet always does). A Secret nobody has is
+                                  ContainerCreating (PodFailed). Per-item modes and ``optional``
+                                  raise NotEmulated
 exec probes                       ``Cluster.probe``: the command run in the container
                                   (``exec_run``), as the kubelet's exec probe does
 ``imagePullPolicy``               nothing is pulled: the image must be present locally
@@ -108,6 +116,7 @@ Everything the pods need runs on one Docker network; the helper never pulls an i
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import io
@@ -222,6 +231,7 @@ class Plan:
     job: dict[str, Any] | None
     job_uid: str | None
     endpoints: dict[str, list[str]]  # Service name -> names of the pods it selects
+    secrets: dict[str, dict[str, bytes]] = field(default_factory=dict)  # Secret name -> its data
 
     @property
     def job_pods(self) -> list[Pod]:
@@ -408,6 +418,7 @@ def plan(docs: Iterable[dict[str, Any]], namespace: str, cluster_domain: str = "
     pods: list[Pod] = []
     tests: list[Pod] = []
     services: list[dict[str, Any]] = []
+    secret_data: dict[str, dict[str, bytes]] = {}
     job = None
     kinds = {"Deployment": 0, "Job": 1, "Pod": 2}
     for d in sorted(docs, key=lambda d: kinds.get(d["kind"], -1)):
@@ -431,14 +442,17 @@ def plan(docs: Iterable[dict[str, Any]], namespace: str, cluster_domain: str = "
             _check_pod_spec(f"Pod/{name}", d["spec"])
             pod = _pod(f"Pod/{name}", name, name, d, namespace, cluster_domain)
             (tests if hook == "test" else pods).append(pod)
-        elif kind in ("ConfigMap", "Secret", "ServiceAccount", "PodDisruptionBudget"):
+        elif kind == "Secret":
+            secret_data[name] = {k: base64.b64decode(v) for k, v in (d.get("data") or {}).items()}
+            secret_data[name].update({k: str(v).encode() for k, v in (d.get("stringData") or {}).items()})
+        elif kind in ("ConfigMap", "ServiceAccount", "PodDisruptionBudget"):
             continue  # nothing here reads them
         else:
             raise NotEmulated(f"{kind}/{name}")
     endpoints = {s["metadata"]["name"]: _add_service_names(s, pods + tests, namespace, cluster_domain)
                  for s in services}
     return Plan(namespace, cluster_domain, pods, tests, services, job,
-                job_uid if job is not None else None, endpoints)
+                job_uid if job is not None else None, endpoints, secret_data)
 
 
 # --- the kubelet's part -------------------------------------------------------------------------
@@ -565,17 +579,21 @@ class Cluster:
     ``start(image, command, network, aliases, **docker_kwargs)`` starts a container and returns
     a testcontainers container (the ``container_factory`` fixture's signature: it labels the
     container and removes it after the test). ``storage`` maps ``pvc/<claim>`` or
-    ``nfs/<server>:<path>`` to the name of a Docker volume that already exists. Use as a context
-    manager: on exit every container this Cluster started is removed, then the volumes it made.
+    ``nfs/<server>:<path>`` to the name of a Docker volume that already exists; ``secrets`` are
+    the Secrets the namespace already holds (name -> data), besides those the plan renders. Use as
+    a context manager: on exit every container this Cluster started is removed, then the volumes
+    it made.
     """
 
     def __init__(self, client: Any, start: Callable[..., Any], network: Any, plan: Plan,
-                 storage: dict[str, str] | None = None, labels: dict[str, str] | None = None):
+                 storage: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+                 secrets: dict[str, dict[str, bytes]] | None = None):
         self.client = client
         self.start = start
         self.network = network
         self.plan = plan
         self.storage = dict(storage or {})
+        self.secrets = {**(secrets or {}), **plan.secrets}
         self.labels = dict(labels or {})
         self.started: list[Any] = []          # testcontainers objects, in start order
         self.volumes: list[Any] = []          # Docker volumes this Cluster created
@@ -638,6 +656,42 @@ class Cluster:
         self.prepared.add(name)
         return name
 
+    def _secret_volume(self, pod: Pod, v: dict[str, Any], fs_group: int | None) -> str:
+        """A Docker volume holding the Secret's items as the kubelet writes them."""
+        from docker.types import Mount
+
+        src = v["secret"]
+        unknown = sorted(set(src) - {"secretName", "items", "defaultMode"})
+        if unknown:
+            raise NotEmulated(f"pod {pod.name}: secret volume {v['name']}: {', '.join(unknown)}")
+        data = self.secrets.get(src["secretName"])
+        if data is None:
+            raise PodFailed(f"pod {pod.name}: ContainerCreating: secret {src['secretName']!r} not found")
+        items = src.get("items") or [{"key": k, "path": k} for k in sorted(data)]
+        mode = int(src.get("defaultMode", 0o644)) | (0o040 if fs_group is not None else 0)
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            for item in items:
+                if set(item) - {"key", "path"}:
+                    raise NotEmulated(f"pod {pod.name}: secret item {item}")
+                if item["key"] not in data:
+                    raise PodFailed(f"pod {pod.name}: ContainerCreating: secret {src['secretName']!r} has no "
+                                    f"key {item['key']!r}")
+                info = tarfile.TarInfo(item["path"])
+                info.size, info.mode, info.uid, info.gid = len(data[item["key"]]), mode, 0, fs_group or 0
+                info.mtime = int(time.time())
+                tar.addfile(info, io.BytesIO(data[item["key"]]))
+        vol = self.client.volumes.create(f"{pod.name}.{pod.namespace}.{v['name']}", labels=self.labels)
+        self.volumes.append(vol)
+        image = pod.spec["containers"][0]["image"]
+        writer = self.client.containers.create(image, ["true"], user="0:0", network_mode="none", labels=self.labels,
+                                               mounts=[Mount("/v", vol.name, type="volume", no_copy=True)])
+        try:
+            assert writer.put_archive("/v", archive.getvalue()), f"could not write secret {src['secretName']}"
+        finally:
+            writer.remove(force=True)
+        return vol.name
+
     # -- pods
 
     def _mounts(self, pod: Pod, c: dict[str, Any], pod_volumes: dict[str, str]) -> dict[str, Any]:
@@ -651,6 +705,8 @@ class Cluster:
             vol = volumes[vm["name"]]
             path = vm["mountPath"]
             ro = bool(vm.get("readOnly", False))
+            if "secret" in vol:
+                ro = True  # the kubelet mounts Secrets read-only whatever the manifest says
             if "emptyDir" in vol and vol["emptyDir"].get("medium") == "Memory":
                 size = vol["emptyDir"].get("sizeLimit")
                 if path == "/dev/shm":
@@ -691,6 +747,8 @@ class Cluster:
                 if key not in self.storage:
                     raise PodFailed(f"pod {pod.name}: ContainerCreating: no volume for {key}")
                 out[v["name"]] = self.storage[key]  # NFS: the kubelet changes no ownership
+            elif "secret" in v:
+                out[v["name"]] = self._secret_volume(pod, v, fs_group)
             else:
                 raise NotEmulated(f"pod {pod.name}: volume {sorted(v)}")
         return out

@@ -78,6 +78,8 @@ def test_objects_per_mode(rendered: Rendered, scenario: str) -> None:
     expected = ["Job:worker", "Service:worker"] + (
         ["Deployment:master", "Service:master"] if own_master else []
     )
+    if not rendered.values.get("auth", {}).get("existingSecret"):
+        expected.append("Secret:auth")  # the token (auth.enabled, the default)
     if MODES[scenario] == "tcp":
         expected.append("Pod:test")  # the `helm test` hook
     assert kinds == sorted(expected)
@@ -335,7 +337,7 @@ def test_master_only_in_tcp_mode(chart: Any) -> None:
     for values in (
         {"mode": "rank0"},
         {"mode": "file", "file": {"existingClaim": "rwx"}},
-        {"master": {"externalEndpoint": "store.infra:29500"}},
+        {"master": {"externalEndpoint": "store.infra:29500"}, "auth": {"enabled": False}},
     ):
         r = render(chart, values)
         assert (
@@ -388,6 +390,9 @@ def test_file_mode_volume(rendered: Rendered, scenario: str) -> None:
     pod = rendered.worker_pod
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m for m in rendered.worker["volumeMounts"]}
+    # the token's volume (auth.enabled, the default in every scenario) is checked by test_auth.py
+    volumes.pop("auth-token")
+    mounts.pop("auth-token")
     if MODES[scenario] != "file":
         assert set(volumes) == {"shm"} and set(mounts) == {"shm"}
         assert "initContainers" not in pod
@@ -406,7 +411,7 @@ def test_file_mode_volume(rendered: Rendered, scenario: str) -> None:
     assert "readOnly" not in mounts["store"]
     # The init container makes the run's directory, which the init method points into.
     (init,) = pod["initContainers"]
-    assert init["volumeMounts"] == rendered.worker["volumeMounts"][1:]
+    assert init["volumeMounts"] == [mounts["store"]]  # not the token: mkdir needs none
     fields = job_pod(rendered, 0, JOB_UID)["fields"]
     env, argv = expand_container(init, fields, {})
     worker_env, _ = expand_container(rendered.worker, fields, {})
@@ -423,7 +428,8 @@ def test_file_mode_mount_path(chart: Any) -> None:
     assert (
         env["DISTLIB_INIT_METHOD"] == f"file:///data/distlib/{RELEASE}-{REVISION}-{JOB_UID}/store"
     )
-    assert {m["mountPath"] for m in r.worker["volumeMounts"]} == {"/dev/shm", "/data/distlib/"}
+    assert {m["mountPath"] for m in r.worker["volumeMounts"]} == {"/dev/shm", "/data/distlib/",
+                                                                  "/run/secrets/distlib"}
 
 
 def test_run_id_usable_in_job_args(chart: Any) -> None:
@@ -578,6 +584,8 @@ def test_standard_labels(rendered: Rendered) -> None:
         assert labels["helm.sh/chart"] == "distlib-0.1.0"
         if d.get("metadata", {}).get("annotations", {}).get("helm.sh/hook") == "test":
             component = "test"
+        elif d["kind"] == "Secret":
+            component = "auth"
         else:
             component = "master" if d["metadata"]["name"].endswith("-master") else "worker"
         assert labels["app.kubernetes.io/component"] == component
@@ -630,6 +638,7 @@ def test_name_overrides(chart: Any) -> None:
         "Deployment/bert-master",
         "Service/bert-master",
         "Pod/bert-test-master",
+        "Secret/bert-auth",
     }
     r = render(chart, release="distlib-nightly")
     assert r.job["metadata"]["name"] == "distlib-nightly-workers"

@@ -9,8 +9,9 @@ the DNS names the Services would give it as network aliases on one private Docke
 (``<master svc>[.<ns>[.svc[.cluster.local]]]``, ``<job>-<i>.<job>[...]``). Then every worker
 must exit 0 and global rank 0's report must show the whole world: every rank on the pod
 hostname its node rank implies, identical weights, losses, the run id made of the Job's uid.
-Modes tcp (with the master's readiness and liveness probes and the ``helm test`` pod), file and
-rank0; and a wrong master name, which must fail clearly.
+Modes tcp (with the master's readiness and liveness probes and the ``helm test`` pod, all
+presenting the chart's token, and a client without it refused), file and rank0, each with the
+token (auth.enabled, the default); and a wrong master name, which must fail clearly.
 
 In file mode the chart's ReadWriteMany claim is played by ONE named Docker volume that every
 worker container mounts: this substitutes for ReadWriteMany storage (an NFS export, EFS,
@@ -135,6 +136,13 @@ def test_rendered_pods_run_the_job(mode: str, chart: Any, docker_client: Any, di
             ready_s = cluster.wait_ready(master, "store-server")
             code, out = cluster.probe(master, "store-server", "livenessProbe")
             assert code == 0, f"the master's liveness probe fails (Kubernetes would restart it): {out}"
+            # auth.enabled (the default): the probes authenticate with the mounted Secret; a
+            # client without it is refused
+            code, out = cluster.running[master.name]["store-server"].exec_run(
+                ["env", "-u", "DISTLIB_AUTH_TOKEN_FILE", *master.container("store-server").spec[
+                    "readinessProbe"]["exec"]["command"]])
+            refused = out.decode("utf-8", "replace")
+            assert code == 1 and "requires authentication" in refused, refused
         result = cluster.wait_job("worker", JOB_TIMEOUT_S)
         if mode == "tcp":
             (ping,) = cluster.run_test_pods()  # `helm test`: raises unless the ping exits 0
@@ -217,6 +225,7 @@ def test_wrong_master_name_fails_clearly(chart: Any, docker_client: Any, distlib
     values = _values("tcp", distlib_image)
     values.update(nodes=2, nprocPerNode=1)
     values["master"] = {"externalEndpoint": wrong}
+    values["auth"] = {"enabled": False}  # a shared server's token would come from auth.existingSecret
     values["workers"] = {"activeDeadlineSeconds": 12, "terminationGracePeriodSeconds": 5}
     rendered = render(chart, values, namespace=ns)
     plan = _pods.plan(rendered.docs, ns)

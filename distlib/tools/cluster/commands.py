@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 from .. import command
 from ..jobs import mpi_rank
 from ..command import ToolError
-from . import engine, gpus, outcome, ssh_keys, state
+from . import auth_token, engine, gpus, outcome, ssh_keys, state
 from .config import LABEL, OWNER_LABEL, Settings, find_root, new_run_id, project_name
 
 PROG = "distlib cluster"
@@ -220,8 +220,16 @@ def _start(cfg: Settings, client, compose: engine.Compose):
     project = project_name(run_id)
     run = state.Run(project=project, run_id=run_id, mode=cfg.mode, nodes=cfg.nodes, image=cfg.image,
                     files=cfg.compose_files(), compose=list(compose.argv), variables=cfg.compose_variables(run_id),
-                    job=cfg.job)
+                    job=cfg.job, auth=cfg.auth)
     run_dir = state.save(cfg.state_dir, run)
+    if cfg.auth:  # this run's token: the master, every rank and every store require it
+        token = auth_token.make(cfg.auth_dir(run_id))
+        say(f"auth on: made this run's token in {token.path} (mode {token.mode:o}); "
+            f"{_AUTH_HOLDERS[cfg.mode]} read it from {auth_token.CONTAINER_PATH} (DISTLIB_AUTH_TOKEN_FILE); "
+            "make cluster-down deletes it; AUTH=0 runs without one")
+    else:
+        say("auth OFF (AUTH=0): the store and the ranks' listeners admit anyone on the cluster network "
+            "(torch clients too)")
     if cfg.mode == "mpi":  # this run's key pair: mpirun in the launcher logs in to the workers with it
         keys = ssh_keys.make(cfg.ssh_dir(run_id), f"mpirun@{project}", client, cfg.image)
         say(f"made this run's SSH key pair in {keys.directory} (the launcher gets the private key, the workers "
@@ -250,6 +258,16 @@ def _start(cfg: Settings, client, compose: engine.Compose):
     say(f"{cfg.nodes} workers started in {time.monotonic() - started:.0f} s; the job is running "
         "(logs: make cluster-logs)")
     return run, workers
+
+
+#: Who gets the token, by mode (the Compose files auth*.yml).
+_AUTH_HOLDERS = {
+    "tcp": "the master service and every worker",
+    "rank0": "every worker (rank 0's store and the ranks' listeners)",
+    "file": "every worker (the FileStore has no network: the token protects the ranks' listeners)",
+    "nfs": "every worker (the FileStore has no network: the token protects the ranks' listeners)",
+    "mpi": "the launcher and every worker (mpirun passes DISTLIB_AUTH_TOKEN_FILE on to the ranks)",
+}
 
 
 def _conclude(cfg: Settings, run: state.Run, workers: List[Any], judged: List[Any], status: int,
@@ -285,12 +303,16 @@ def _conclude(cfg: Settings, run: state.Run, workers: List[Any], judged: List[An
         for line in lines:
             print(f"cluster:   | {line}", file=sys.stderr)
     if status:
-        say(f"job FAILED in {elapsed:.0f} s (exit status {status}); all logs: make cluster-logs; remove: "
-            "make cluster-down")
+        say(f"job FAILED in {elapsed:.0f} s (exit status {status}; {_auth_words(cfg.auth)}); all logs: "
+            "make cluster-logs; remove: make cluster-down")
         return status
     where = f"report: {run_dir}/report.txt and report.json; " if report else ""
-    say(f"job succeeded in {elapsed:.0f} s; {where}remove: make cluster-down")
+    say(f"job succeeded in {elapsed:.0f} s ({_auth_words(cfg.auth)}); {where}remove: make cluster-down")
     return 0
+
+
+def _auth_words(auth: bool) -> str:
+    return "auth on: every connection authenticated with the run's token" if auth else "auth off (AUTH=0)"
 
 
 #: The launcher container's name ends so under Compose v2 and v1.
@@ -366,6 +388,8 @@ def down(cfg: Settings, quiet_if_none: bool = False) -> int:
         state.clear(cfg.state_dir)
     for keys in cfg.state_dir.glob("*/ssh"):  # MODE=mpi key pairs: their containers are gone
         ssh_keys.remove(keys)
+    for token in cfg.state_dir.glob("*/auth"):  # the runs' tokens, likewise
+        auth_token.remove(token)
     owner = f"{OWNER_LABEL}={cfg.owner}"
     left = engine.labelled(client, owner)
     if any(left.values()):  # what a killed `up` or a lost record left behind
@@ -456,6 +480,9 @@ environment (the Makefile's variables):
                   mpi: mpirun in a launcher container, over SSH into the workers
   NODES           worker containers (default 4), each its own host
   NPROC_PER_NODE  processes per worker container (default 1; with GPU=1 one GPU each)
+  AUTH            1 (default): a new random token per run; the master service, rank 0's store and every
+                  rank's listeners admit only holders of it (a read-only file in each container,
+                  DISTLIB_AUTH_TOKEN_FILE). 0: no token, so that torch processes can join the store
   GPU             1: the workers on NVIDIA GPUs (NCCL for cupy arrays, gloo for numpy ones); needs the
                   NVIDIA Container Toolkit on the Docker host; image distlib:cuda (make image-gpu)
   IMAGE           image to run (default distlib:cpu, with GPU=1 distlib:cuda); built or updated by

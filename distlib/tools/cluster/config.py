@@ -19,6 +19,7 @@ from distlib import settings
 
 from ..command import ToolError
 from ..jobs.compose_node import DEFAULT_JOB_MODULE, job_program
+from .auth_token import TOKEN_FILE
 
 MODES = ("tcp", "rank0", "file", "nfs", "mpi")
 DEFAULT_IMAGE = "distlib:cpu"
@@ -73,6 +74,8 @@ class Settings:
     nproc_per_node: int = 1
     image: str = DEFAULT_IMAGE
     gpu: bool = False
+    #: AUTH (default on): a new token per run that the master, every rank and the store require.
+    auth: bool = True
     skip_build: bool = False
     quiet: bool = False
     job: str = ""
@@ -111,6 +114,7 @@ class Settings:
             skip_build = settings.flag("SKIP_BUILD", False, env)
             quiet = settings.flag("QUIET", False, env)
             gpu = settings.flag("GPU", False, env)
+            auth = settings.flag("AUTH", True, env)
         except ValueError as exc:
             raise ToolError(str(exc), 2) from None
         state_dir = Path(env.get("CLUSTER_STATE_DIR", "").strip() or root / ".build" / "cluster").absolute()
@@ -119,7 +123,7 @@ class Settings:
             nodes=_positive_int(env, "NODES", DEFAULT_NODES, "a positive number of worker containers"),
             nproc_per_node=_positive_int(env, "NPROC_PER_NODE", 1, "a positive number of processes per container"),
             image=env.get("IMAGE", "").strip() or (DEFAULT_GPU_IMAGE if gpu else DEFAULT_IMAGE), gpu=gpu,
-            skip_build=skip_build, quiet=quiet,
+            auth=auth, skip_build=skip_build, quiet=quiet,
             job=env.get("JOB", "").strip(), job_dir=env.get("JOB_DIR", "").strip(),
             job_args=env.get("JOB_ARGS", ""), job_module=env.get("JOB_MODULE", "").strip() or DEFAULT_JOB_MODULE,
             nfs_server=nfs_server if mode == "file" else "", nfs_path=nfs_path if mode == "file" else "",
@@ -167,11 +171,21 @@ class Settings:
             files.append(d / "job-dir.yml")
         if self.gpu:
             files.append(d / "gpu.yml")
+        if self.auth:  # the token in every container that serves or joins the store
+            files.append(d / "auth.yml")
+            if self.mode == "tcp":
+                files.append(d / "auth-master.yml")
+            if self.mode == "mpi":
+                files.append(d / "auth-launcher.yml")
         return [str(f) for f in files]
 
     def ssh_dir(self, run_id: str) -> Path:
         """MODE=mpi: where the run's key pair lives (its directory under the state directory)."""
         return self.state_dir / project_name(run_id) / "ssh"
+
+    def auth_dir(self, run_id: str) -> Path:
+        """AUTH=1: where the run's token file lives (its directory under the state directory)."""
+        return self.state_dir / project_name(run_id) / "auth"
 
     def compose_variables(self, run_id: str) -> Dict[str, str]:
         """The variables the Compose files interpolate, for this run."""
@@ -182,6 +196,8 @@ class Settings:
             out["JOB_DIR"] = self.job_dir
         if self.mode == "mpi":
             out["MPI_SSH_DIR"] = str(self.ssh_dir(run_id))
+        if self.auth:  # the file's path only: the token itself is in no variable
+            out["AUTH_TOKEN_FILE"] = str(self.auth_dir(run_id) / TOKEN_FILE)
         if self.nfs_server:
             out.update(NFS_SERVER=self.nfs_server, NFS_PATH=self.nfs_path)
         out.update(self.passed_on)

@@ -28,6 +28,8 @@ class Run:
     compose: List[str]
     variables: Dict[str, str] = field(default_factory=dict)
     job: str = ""
+    #: Whether the run's containers got a token (AUTH); its file is <run directory>/auth/token.
+    auth: bool = False
 
     def directory(self, state_dir: Path) -> Path:
         return state_dir / self.project

@@ -53,7 +53,7 @@ VENV = "/opt/distlib"
 SSHD_TIMEOUT_S = 60.0
 #: What mpirun passes on to every rank (-x), besides DISTLIB_BACKEND=mpi.
 FORWARDED = ("DISTLIB_RUN_ID", "DISTLIB_LOG_LEVEL", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME",
-             "NODES", "NPROC_PER_NODE")
+             "NODES", "NPROC_PER_NODE", "DISTLIB_AUTH_TOKEN_FILE")
 
 
 def log(text: str) -> None:

@@ -105,8 +105,61 @@ the env before DISTLIB_RUN_ID), so it differs for every install.
 {{- end -}}
 {{- end -}}
 
+{{/*
+The shared token (auth.enabled): the Secret that holds it (the chart's own "<fullname>-auth",
+or auth.existingSecret) and its key there.
+*/}}
+{{- define "distlib.auth.secretName" -}}
+{{- if .Values.auth.existingSecret -}}
+{{- .Values.auth.existingSecret -}}
+{{- else -}}
+{{- printf "%s-auth" (include "distlib.fullname" . | trunc 58 | trimSuffix "-") -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "distlib.auth.secretKey" -}}
+{{- if .Values.auth.existingSecret -}}
+{{- .Values.auth.existingSecretKey | default "token" -}}
+{{- else -}}
+token
+{{- end -}}
+{{- end -}}
+
+{{/* Where every container that serves or joins the store reads the token. */}}
+{{- define "distlib.auth.path" -}}
+/run/secrets/distlib/token
+{{- end -}}
+
+{{/* The pod volume of the token: group-readable (0440); the kubelet gives the file the group
+podSecurityContext.fsGroup (1000, the image's user's), so the containers can read it. */}}
+{{- define "distlib.auth.volume" -}}
+- name: auth-token
+  secret:
+    secretName: {{ include "distlib.auth.secretName" . | quote }}
+    defaultMode: 0440
+    items:
+      - key: {{ include "distlib.auth.secretKey" . | quote }}
+        path: {{ include "distlib.auth.path" . | base | quote }}
+{{- end -}}
+
+{{/* The container's read-only mount of that volume. */}}
+{{- define "distlib.auth.mount" -}}
+- name: auth-token
+  mountPath: {{ include "distlib.auth.path" . | dir | quote }}
+  readOnly: true
+{{- end -}}
+
+{{/* The container's variable that names the token file (never the token itself). */}}
+{{- define "distlib.auth.env" -}}
+- name: DISTLIB_AUTH_TOKEN_FILE
+  value: {{ include "distlib.auth.path" . | quote }}
+{{- end -}}
+
 {{/* Checks the schema cannot express with a clear message; included by the Job. */}}
 {{- define "distlib.validate" -}}
+{{- if and .Values.auth.enabled .Values.master.externalEndpoint (eq .Values.mode "tcp") (not .Values.auth.existingSecret) -}}
+{{- fail "master.externalEndpoint with auth.enabled: the shared store server has a token of its own, which a token made by this chart cannot match; put it in a Secret and set auth.existingSecret (and auth.existingSecretKey), or set auth.enabled=false for a server without a token" -}}
+{{- end -}}
 {{- if eq .Values.mode "file" -}}
 {{- $nfs := or .Values.file.nfs.server .Values.file.nfs.path -}}
 {{- if and (not .Values.file.existingClaim) (not $nfs) -}}
