@@ -43,9 +43,9 @@ from .file_sidecar import Liveness
 log = logging.getLogger("distlib.store.file")
 
 _READ_CHUNK = 65536
-#: The largest single read while catching up (reads double from ``_READ_CHUNK``): a big
-#: file is read in few calls, and no read allocates more than this whatever a length field
-#: says.
+#: The largest single read while catching up (reads double from ``_READ_CHUNK`` as data
+#: arrives): a big file is read in few calls, and no read allocates more than this whatever
+#: a length field says.
 _READ_MAX = 16 * 1024 * 1024
 #: Bytes before the read offset that every read takes again, to see that they are still the
 #: ones read before (the file was not truncated or rewritten under us).
@@ -212,7 +212,7 @@ class LogFile:
         """
         tail = self.tail
         try:
-            data = os.pread(fd, self.chunk, self.offset - len(tail))
+            data = os.pread(fd, len(tail) + self.chunk, self.offset - len(tail))
             if data == tail:
                 return
             if not data.startswith(tail):
@@ -256,7 +256,9 @@ class LogFile:
             at = base + end  # read on from here
             have = 0
             while True:  # at least one read; more while the record at ``done`` needs them
-                more = os.pread(fd, min(max(want - have, step), _READ_MAX), at + have)
+                # Reads grow only as data arrives: a length field announcing 200 MB in a
+                # 100-byte file costs one chunk-sized read, not a 200 MB buffer.
+                more = os.pread(fd, step, at + have)
                 if not more:
                     break
                 pieces.append(more)
