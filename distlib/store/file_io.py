@@ -195,11 +195,16 @@ class LogFile:
             raise self._vanished_error() from None
         except OSError as exc:
             raise os_error(exc, self.path, _OPENING[flags]) from exc
-        try:
+        try:  # _catch_up, inlined: this is every operation's read
             lock(fd, op, self.path, self.lock_wait_s)
-            self._catch_up(fd)
-        except BaseException:
+            tail = self.tail
+            data = os.pread(fd, len(tail) + self.chunk, self.offset - len(tail))
+            if data != tail:
+                self._absorb_after(fd, data, tail)
+        except BaseException as exc:
             unlock_close(fd)
+            if isinstance(exc, OSError):
+                raise os_error(exc, self.path, "reading") from exc
             raise
         return fd
 
@@ -213,15 +218,19 @@ class LogFile:
         tail = self.tail
         try:
             data = os.pread(fd, len(tail) + self.chunk, self.offset - len(tail))
-            if data == tail:
-                return
-            if not data.startswith(tail):
-                if len(data) < len(tail):  # the file ends before our offset
-                    raise self._moved_error(fd, self.offset - len(tail) + len(data) if data else None)
-                raise self._moved_error(fd, None, rewritten=True)
-            self._absorb(fd, data, len(tail))
+            if data != tail:
+                self._absorb_after(fd, data, tail)
         except OSError as exc:
             raise os_error(exc, self.path, "reading") from exc
+
+    def _absorb_after(self, fd: int, data: bytes, tail: bytes) -> None:
+        """``data`` was read from ``len(tail)`` bytes before ``offset`` and is not just
+        ``tail``: new records after it, or a file that shrank or was rewritten."""
+        if not data.startswith(tail):
+            if len(data) < len(tail):  # the file ends before our offset
+                raise self._moved_error(fd, self.offset - len(tail) + len(data) if data else None)
+            raise self._moved_error(fd, None, rewritten=True)
+        self._absorb(fd, data, len(tail))
 
     def _absorb(self, fd: int, data: bytes, skip: int) -> None:
         """Apply the records in ``data[skip:]`` (``data[skip]`` is at ``offset``), reading on
