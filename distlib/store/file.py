@@ -26,8 +26,12 @@ Where distlib differs from torch, on purpose (docs/stores-filestore.md):
   silent race;
 * a file left by a crashed earlier distlib run is detected through the liveness side file
   instead of silently mixing runs;
-* a damaged file (a record cut short by a writer that crashed mid-write) is an error naming
-  the byte offset, never misread;
+* a damaged file (a record cut short by a writer that crashed mid-write, zeros, an empty
+  key, a length field beyond ``file_log``'s limits) is an error naming the byte offset, never
+  misread; a file truncated or rewritten under its users is named as such; only a regular
+  file is joined, and reads are bounded, so no path is read without end;
+* every OS error is a DistStoreError naming the file, the operation and the errno, with a
+  hint (a read-only mount, a directory given as the path);
 * get/wait poll with a backoff from 1 ms to torch's 10 ms (see ``POLL_FIRST_S``).
 """
 

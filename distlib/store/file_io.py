@@ -15,13 +15,21 @@ unlinks the file when the refcount reaches 0, ``world_size >= 0`` and
 
 Damage is named, never misread: under the lock no writer is mid-record, so bytes that do not
 form a whole record are reported with their byte offset; a file truncated, replaced or
-removed while in use is an error that says so.
+removed while in use is an error that says so. Every read starts a few bytes (``_TAIL``)
+before the offset already read and compares them with what was there before: a file that
+shrank below that offset, or was rewritten, is caught by the read every operation does
+anyway. Reads are bounded (parsed as they arrive, ``_READ_MAX`` bytes at most at a time, a
+record's length fields checked against ``file_log``'s limits), and only a regular file is
+joined, so no path makes a reader allocate without bound or read forever. Every failing
+system call becomes a DistStoreError naming the file, the operation and the errno
+(``file_locks.os_error``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -29,21 +37,38 @@ from ..deadline import Deadline, format_duration
 from ..errors import DistStoreError
 from . import file_log
 from .base import add_to_counter, compare_set_refusal
-from .file_locks import LOCK_EX, LOCK_SH, lock, unlink, unlock_close
+from .file_locks import LOCK_EX, LOCK_SH, describe_kind, lock, os_error, unlink, unlock_close
 from .file_sidecar import Liveness
 
 log = logging.getLogger("distlib.store.file")
 
 _READ_CHUNK = 65536
-_RD_FLAGS = os.O_RDONLY | os.O_CLOEXEC
+#: The largest single read while catching up (reads double from ``_READ_CHUNK`` as data
+#: arrives): a big file is read in few calls, and no read allocates more than this whatever
+#: a length field says.
+_READ_MAX = 16 * 1024 * 1024
+#: Bytes before the read offset that every read takes again, to see that they are still the
+#: ones read before (the file was not truncated or rewritten under us).
+_TAIL = 16
+#: O_NONBLOCK: opening a named pipe that replaced the file must not block (a no-op for
+#: regular files).
+_RD_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 _WR_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 _RW_FLAGS = os.O_RDWR | os.O_CLOEXEC
 _FILE_MODE = 0o644
+_OPENING = {
+    _RD_FLAGS: "opening (for reading)",
+    _WR_FLAGS: "opening (for writing, creating it if missing)",
+    _RW_FLAGS: "opening (for writing)",
+}
 
 _u32 = file_log._pack_u32
 _replay = file_log.replay
 _REFCOUNT = file_log.REFCOUNT_KEY
 _CLEANUP = file_log.CLEANUP_KEY
+#: Writers refuse what readers would call damage; ``-`` + the file key must fit too.
+_MAX_WRITE_KEY = file_log.MAX_KEY - 1
+_MAX_VALUE = file_log.MAX_VALUE
 
 
 class _Shared:
@@ -106,6 +131,7 @@ class LogFile:
         "world_size",
         "cache",
         "offset",
+        "tail",
         "shared",
         "liveness",
         "identity",
@@ -121,6 +147,7 @@ class LogFile:
         self.world_size = world_size
         self.cache: Dict[bytes, bytes] = {}
         self.offset = 0
+        self.tail = b""  # the last _TAIL bytes before offset
         self.shared = _shared_for(real)
         self.liveness = Liveness(path, real, self.shared)
         self.identity: Tuple[int, int] = (0, 0)
@@ -136,6 +163,8 @@ class LogFile:
             return os.open(self.path, flags, _FILE_MODE)
         except FileNotFoundError:
             raise self._vanished_error() from None
+        except OSError as exc:
+            raise os_error(exc, self.path, _OPENING[flags]) from exc
 
     def _vanished_error(self) -> DistStoreError:
         directory = os.path.dirname(self.path)
@@ -164,54 +193,102 @@ class LogFile:
             fd = os.open(self.path, flags, _FILE_MODE)
         except FileNotFoundError:
             raise self._vanished_error() from None
-        try:
+        except OSError as exc:
+            raise os_error(exc, self.path, _OPENING[flags]) from exc
+        try:  # _catch_up, inlined: this is every operation's read
             lock(fd, op, self.path, self.lock_wait_s)
-            data = os.pread(fd, self.chunk, self.offset)
-            if data:
-                self._absorb(fd, data)
-        except BaseException:
+            tail = self.tail
+            data = os.pread(fd, len(tail) + self.chunk, self.offset - len(tail))
+            if data != tail:
+                self._absorb_after(fd, data, tail)
+        except BaseException as exc:
             unlock_close(fd)
+            if isinstance(exc, OSError):
+                raise os_error(exc, self.path, "reading") from exc
             raise
         return fd
 
     def _catch_up(self, fd: int) -> None:
-        """Apply the records after ``offset`` (caller holds the lock)."""
-        data = os.pread(fd, self.chunk, self.offset)
-        if data:
-            self._absorb(fd, data)
+        """Apply the records after ``offset`` (caller holds the lock).
 
-    def _absorb(self, fd: int, data: bytes) -> None:
-        """Read on from ``data`` (the first bytes after ``offset``) to EOF and apply it all.
-
-        EOF is where read() returns nothing, never ``st_size``. Under the lock no writer is
-        mid-record, so bytes that do not form a whole record are damage, reported with the
-        byte offset.
+        The read starts ``len(tail)`` bytes early: getting back exactly ``tail`` (the common
+        case) means nothing new; fewer bytes, or other ones, mean the file shrank or was
+        rewritten under us.
         """
-        offset = self.offset
-        got = len(data)
-        pieces = None
-        while True:  # ends at EOF: the file cannot grow while we hold the lock
-            more = os.pread(fd, max(self.chunk, got), offset + got)
-            if not more:
-                break
-            if pieces is None:
-                pieces = [data]
-            pieces.append(more)
-            got += len(more)
-        if pieces is not None:
-            data = b"".join(pieces)
-        done = _replay(data, self.cache)
-        if done != got:
-            self.offset = offset + done
-            raise self._damage_error(data, done, offset)
-        self.offset = offset + got
+        tail = self.tail
+        try:
+            data = os.pread(fd, len(tail) + self.chunk, self.offset - len(tail))
+            if data != tail:
+                self._absorb_after(fd, data, tail)
+        except OSError as exc:
+            raise os_error(exc, self.path, "reading") from exc
 
-    def _damage_error(self, data: bytes, done: int, base: int) -> DistStoreError:
+    def _absorb_after(self, fd: int, data: bytes, tail: bytes) -> None:
+        """``data`` was read from ``len(tail)`` bytes before ``offset`` and is not just
+        ``tail``: new records after it, or a file that shrank or was rewritten."""
+        if not data.startswith(tail):
+            if len(data) < len(tail):  # the file ends before our offset
+                raise self._moved_error(fd, self.offset - len(tail) + len(data) if data else None)
+            raise self._moved_error(fd, None, rewritten=True)
+        self._absorb(fd, data, len(tail))
+
+    def _absorb(self, fd: int, data: bytes, skip: int) -> None:
+        """Apply the records in ``data[skip:]`` (``data[skip]`` is at ``offset``), reading on
+        to EOF.
+
+        Records are parsed as they arrive, so memory holds one read's unparsed rest, and a
+        record that is damage whatever follows (an empty key, zeros, a length beyond the
+        limits) stops the reading at once: a file that yields endless zeros or noise is
+        reported at its first bad record, not read to its end. EOF is where read() returns
+        nothing, never ``st_size``; under the lock no writer is mid-record, so a record cut
+        short at EOF is damage too. Both are reported with the byte offset.
+        """
+        cache = self.cache
+        base = self.offset - skip  # file offset of data[0]
+        pos = skip
+        step = self.chunk
+        while True:
+            end = len(data)
+            done = _replay(data, cache, pos)
+            if done > pos:
+                self.offset = base + done
+                self.tail = data[done - _TAIL : done] if done >= _TAIL else (self.tail + data[pos:done])[-_TAIL:]
+            if done < end:
+                problem = file_log.record_problem(data, done)
+                if problem is not None:
+                    raise self._damage_error(base + done, problem)
+                want = file_log.record_need(data, done) - (end - done)
+                pieces = [data[done:]]
+            else:
+                want = 0
+                pieces = []
+            at = base + end  # read on from here
+            have = 0
+            while True:  # at least one read; more while the record at ``done`` needs them
+                # Reads grow only as data arrives: a length field announcing 200 MB in a
+                # 100-byte file costs one chunk-sized read, not a 200 MB buffer.
+                more = os.pread(fd, step, at + have)
+                if not more:
+                    break
+                pieces.append(more)
+                have += len(more)
+                step = min(step * 2, _READ_MAX)
+                if have >= want:
+                    break
+            if not have:  # EOF
+                if done < end:
+                    raise self._damage_error(base + done, file_log.describe_damage(data, done))
+                return
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            base += done
+            pos = 0
+
+    def _damage_error(self, at: int, what: str) -> DistStoreError:
         return DistStoreError(
-            f"FileStore: store file {self.path} is damaged at byte {base + done}: "
-            f"{file_log.describe_damage(data, done)}. Writers append whole records under an "
-            f"exclusive lock, so a process probably died in the middle of a write (or "
-            f"something other than a FileStore wrote to the file). Remove {self.path} and "
+            f"FileStore: store file {self.path} is damaged at byte {at}: {what}. FileStore "
+            f"writers append whole records under an exclusive lock, so these bytes come from a "
+            f"process that died in the middle of a write, or from something other than a "
+            f"FileStore (another program, a copy that padded the file). Remove {self.path} and "
             f"{self.liveness.path} and start the job again."
         )
 
@@ -221,17 +298,21 @@ class LogFile:
         The end is also checked with lseek: a file shorter than what we already read was
         truncated or replaced behind our back, and appending would corrupt it.
         """
-        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+        except OSError as exc:
+            raise os_error(exc, self.path, "finding the end (lseek) of") from exc
         if end != self.offset:
-            raise self._moved_error(end)
+            raise self._moved_error(fd, end)
         try:
             written = os.write(fd, record)
             while written < len(record):
                 written += os.write(fd, record[written:])
         except OSError as exc:
             self._roll_back(fd, end)
-            raise DistStoreError(f"FileStore: writing to store file {self.path} failed: {exc}") from exc
+            raise os_error(exc, self.path, f"appending a {len(record)}-byte record (at byte {end}) to") from exc
         self.offset = end + written
+        self.tail = record[-_TAIL:] if written >= _TAIL else (self.tail + record)[-_TAIL:]
 
     def _roll_back(self, fd: int, end: int) -> None:
         """Cut a half-written record off (still under our lock), so the log stays whole."""
@@ -240,17 +321,40 @@ class LogFile:
         except OSError as exc:  # pragma: no cover - a disk error on top of a disk error
             log.error("could not roll back a partial record in %s at byte %d: %s", self.path, end, exc)
 
-    def _moved_error(self, end: int) -> DistStoreError:
-        if end < self.offset:
-            why = "the file was truncated, or removed and created again, while in use"
-        else:
-            why = (
-                "reading stopped short of the end: something writes to it without the lock, "
-                "or the file system does not keep locked files coherent"
+    def _moved_error(self, fd: int, size: Optional[int], rewritten: bool = False) -> DistStoreError:
+        """The file under ``fd`` is not the one read so far: replaced, truncated, rewritten,
+        or longer than the reading found. ``size`` is its length when known (else fstat's)."""
+        path = self.path
+        try:
+            st: Optional[os.stat_result] = os.fstat(fd)
+        except OSError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) != self.identity:
+            return DistStoreError(
+                f"FileStore: store file {path} was replaced by another file while this FileStore "
+                f"was using it (removed and created again): another job reused this path? It "
+                f"had read {self.offset} bytes of the old file. Nothing was written."
+            )
+        if size is None and st is not None:
+            size = st.st_size
+        if size is not None and size < self.offset:
+            return DistStoreError(
+                f"FileStore: store file {path} was truncated from {self.offset} to {size} bytes "
+                f"under us: another job reused this file? (FileStore files only grow; this "
+                f"FileStore had read {self.offset} bytes of it; or it was removed and created "
+                f"again.) Nothing was written."
+            )
+        if rewritten or size is None:
+            return DistStoreError(
+                f"FileStore: store file {path} was rewritten under us: the bytes before byte "
+                f"{self.offset} are no longer the ones this FileStore read there (another job "
+                f"reused this file?). Nothing was written."
             )
         return DistStoreError(
-            f"FileStore: store file {self.path} ends at byte {end} but this FileStore has "
-            f"read {self.offset} bytes of it: {why}. Nothing was written."
+            f"FileStore: store file {path} ends at byte {size} but this FileStore has read "
+            f"{self.offset} bytes of it: reading stopped short of the end (something writes to "
+            f"it without the lock, or the file system does not keep locked files coherent). "
+            f"Nothing was written."
         )
 
     def check_identity(self) -> None:
@@ -263,6 +367,8 @@ class LogFile:
             st = os.stat(self.path)
         except FileNotFoundError:
             raise self._vanished_error() from None
+        except OSError as exc:
+            raise os_error(exc, self.path, "checking (stat)") from exc
         if (st.st_dev, st.st_ino) != self.identity:
             raise DistStoreError(
                 f"FileStore: store file {self.path} was replaced by another file while this "
@@ -321,6 +427,8 @@ class LogFile:
     def set(self, fkey: bytes, value: bytes) -> None:
         if self.closed:
             self._ensure_open()
+        if len(fkey) > _MAX_WRITE_KEY or len(value) > _MAX_VALUE:
+            _refuse(fkey, value)
         record = _u32(len(fkey)) + fkey + _u32(len(value)) + value
         with self.shared.mutex:
             fd = self._begin(_WR_FLAGS, LOCK_EX)
@@ -333,6 +441,8 @@ class LogFile:
     def add(self, fkey: bytes, amount: int, key_name: str) -> int:
         if self.closed:
             self._ensure_open()
+        if len(fkey) > _MAX_WRITE_KEY:
+            _refuse(fkey, b"")
         with self.shared.mutex:
             fd = self._begin(_WR_FLAGS, LOCK_EX)
             try:
@@ -350,6 +460,8 @@ class LogFile:
     def compare_set(self, fkey: bytes, expected: bytes, desired: bytes) -> bytes:
         if self.closed:
             self._ensure_open()
+        if len(fkey) > _MAX_WRITE_KEY or len(desired) > _MAX_VALUE:
+            _refuse(fkey, desired)
         with self.shared.mutex:
             fd = self._begin(_WR_FLAGS, LOCK_EX)
             try:
@@ -367,6 +479,8 @@ class LogFile:
         key was there."""
         if self.closed:
             self._ensure_open()
+        if len(fkey) > _MAX_WRITE_KEY:
+            _refuse(fkey, b"")
         tomb = b"-" + fkey
         with self.shared.mutex:
             fd = self._begin(_RW_FLAGS, LOCK_EX)  # torch: O_RDWR without O_CREAT
@@ -411,12 +525,22 @@ class LogFile:
         while True:
             fd = self._open(_WR_FLAGS)
             try:
-                lock(fd, LOCK_EX, self.path, self.lock_wait_s)
                 st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise DistStoreError(
+                        f"FileStore: {self.path} is {describe_kind(st.st_mode)}, not a regular "
+                        f"file: a store file must be a regular file (a device or a pipe can "
+                        f"yield endless data, or none, and cannot hold records). Give the path "
+                        f"of a file on a local or shared file system"
+                    )
+                lock(fd, LOCK_EX, self.path, self.lock_wait_s)
                 try:
                     now = os.stat(self.path)
                 except FileNotFoundError:
                     now = None
+            except OSError as exc:
+                unlock_close(fd)
+                raise os_error(exc, self.path, "checking (fstat/stat)") from exc
             except BaseException:
                 unlock_close(fd)
                 raise
@@ -434,8 +558,22 @@ class LogFile:
     def _stale_error(self, fd: int, dead_users: int) -> DistStoreError:
         """The store file ``fd`` (locked, read to its end) holds a dead run's records:
         ``Liveness.join`` found its distlib users gone without closing."""
-        image = os.pread(fd, self.offset, 0)
-        records = sum(1 for _ in file_log.iter_records(image))
+        records = 0
+        at = 0
+        try:
+            while at < self.offset:  # count in bounded reads: the file may be big
+                image = os.pread(fd, min(self.offset - at, _READ_MAX), at)
+                if not image:
+                    break
+                whole = file_log.record_end(image)
+                if whole:
+                    records += sum(1 for _ in file_log.iter_records(image[:whole]))
+                    at += whole
+                else:  # one record longer than a read: skip it by its header
+                    records += 1
+                    at += file_log.record_need(image, 0)
+        except OSError as exc:
+            return os_error(exc, self.path, "reading (to report a dead run's records in)")
         refcount = self.cache.get(_REFCOUNT, b"0").decode("ascii", "replace")
         cleanup = self.cache.get(_CLEANUP, b"0").decode("ascii", "replace")
         return DistStoreError(
@@ -473,9 +611,14 @@ class LogFile:
             fd = os.open(self.path, _RW_FLAGS)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            raise os_error(exc, self.path, "closing: " + _OPENING[_RW_FLAGS]) from exc
         try:
             lock(fd, LOCK_EX, self.path, self.lock_wait_s)
-            st = os.fstat(fd)
+            try:
+                st = os.fstat(fd)
+            except OSError as exc:
+                raise os_error(exc, self.path, "closing: checking (fstat)") from exc
             if (st.st_dev, st.st_ino) != self.identity:
                 log.warning(
                     "%s is no longer the file this FileStore joined (removed and created "
@@ -495,6 +638,15 @@ class LogFile:
             self.liveness.release()
         finally:
             unlock_close(fd)
+
+
+def _refuse(fkey: bytes, value: bytes) -> None:
+    """Raise for a record no reader would accept (``file_log``'s limits), before any I/O."""
+    raise ValueError(
+        f"FileStore: refused to write a {len(fkey) - 1}-byte key with a {len(value)}-byte value: "
+        f"keys may have at most {_MAX_WRITE_KEY - 1} bytes (UTF-8) and values {_MAX_VALUE} bytes, "
+        f"and a reader takes a larger record for damage. Nothing was written."
+    )
 
 
 def _first_missing_dir(directory: str) -> str:

@@ -27,7 +27,7 @@ import os
 from typing import Callable, Optional
 
 from ..errors import DistStoreError
-from .file_locks import LOCK_SH, lock, try_lock_exclusive, unlink
+from .file_locks import LOCK_SH, lock, os_error, try_lock_exclusive, unlink
 
 log = logging.getLogger("distlib.store.file")
 
@@ -73,7 +73,7 @@ class Liveness:
                              self.path, users)
                 users = 0
             lock(sfd, LOCK_SH, self.path, lock_wait_s)  # a downgrade when we hold LOCK_EX; nobody else can
-            _write_users(sfd, users + 1)
+            _write_users(sfd, users + 1, self.path)
         except BaseException:
             os.close(sfd)
             raise
@@ -93,7 +93,7 @@ class Liveness:
         if users == 0 or removing_store:
             unlink(self.path)
         else:
-            _write_users(self.fd, users)
+            _write_users(self.fd, users, self.path)
 
     def release(self) -> None:
         """Let go of the liveness lock (after ``count_out``, or when joining failed)."""
@@ -115,7 +115,10 @@ class Liveness:
 
 
 def _read_users(sfd: int, name: str) -> int:
-    raw = os.pread(sfd, 64, 0)
+    try:
+        raw = os.pread(sfd, 64, 0)
+    except OSError as exc:
+        raise os_error(exc, name, "reading", "liveness side file") from exc
     text = raw.strip()
     if not text:
         return 0
@@ -126,7 +129,10 @@ def _read_users(sfd: int, name: str) -> int:
         return 0
 
 
-def _write_users(sfd: int, users: int) -> None:
+def _write_users(sfd: int, users: int, name: str) -> None:
     data = b"%d\n" % users
-    os.pwrite(sfd, data, 0)
-    os.ftruncate(sfd, len(data))
+    try:
+        os.pwrite(sfd, data, 0)
+        os.ftruncate(sfd, len(data))
+    except OSError as exc:
+        raise os_error(exc, name, "writing", "liveness side file") from exc

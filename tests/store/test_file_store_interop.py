@@ -134,6 +134,10 @@ SCRIPT = [
     ("barrier", "fb", 1),
     ("set", "-x", "1"),
     ("delete_key", "-x"),
+    ("set", "", "empty key"),  # the file key "/": a user's empty key is not an empty record key
+    ("set", "", ""),
+    ("delete_key", ""),
+    ("set", "", "again"),
 ]
 
 
@@ -151,6 +155,21 @@ def test_same_calls_give_identical_files(tmp_path):
     _play(ours)
     ours.close()
     assert Path(our_path).read_bytes() == Path(torch_path).read_bytes()
+
+
+def test_the_empty_user_key_is_shared_and_never_read_as_damage(tmp_path):
+    """distlib reads an empty record key as damage; torch's set("") writes the key "/", so
+    stores of both see each other's empty user key."""
+    path = str(tmp_path / "store")
+    theirs = [tdist.FileStore(path, -1)]
+    theirs[0].set("", "from torch")
+    with FileStore(path, -1) as ours:
+        assert ours.get("") == b"from torch"
+        ours.set("", "from distlib")
+        assert theirs[0].get("") == b"from distlib"
+    assert all(k for _, k, _ in file_log.iter_records(Path(path).read_bytes()))
+    assert file_log.record_end(Path(path).read_bytes()) == os.path.getsize(path)
+    _del(theirs)
 
 
 def test_torch_get_is_woken_by_a_distlib_process(tmp_path):
