@@ -170,7 +170,7 @@ def test_a_rank_outside_the_world_fails_before_any_network_wait():
         assert status == "ok", text
         assert text.startswith(f"ValueError: Error initializing torch.distributed using {url[:3]}"), text
         assert expected in text, text
-        assert seconds < 1.0, (seconds, text)
+        assert seconds < 10.0, (seconds, text)  # the 60 s timeout never started
 
 
 def test_a_second_process_claiming_a_rank_fails_at_once_naming_both_and_the_group_reports_it():
@@ -193,7 +193,7 @@ def test_a_second_process_claiming_a_rank_fails_at_once_naming_both_and_the_grou
     winner_text, _, winner = [r for r in ones if r is not quick[0]][0]
     both = f"rank 1 was claimed twice: first by host {winner[0]} pid {winner[1]}, then by host {loser[0]} pid {loser[1]}"
     assert both in loser_text, loser_text
-    assert loser_seconds < 3.0, (loser_seconds, loser_text)
+    assert loser_seconds < 8.0, (loser_seconds, loser_text)  # not its 10 s timeout
     # the group cannot complete: rank 0's error names rank 2 and the duplicate, and so does the
     # first rank 1's, whether it read the store at its deadline or lost it when rank 0 exited
     assert "timed out after 10.0s waiting for every rank to join: 2/3 joined; never arrived: rank 2" in text0, text0
