@@ -64,12 +64,13 @@ def _rank(rank, world_size, init_method, timeout_s, delay_s=0.0):
     except Exception as exc:  # noqa: BLE001 - the test reads it
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started,
                 "warnings": warnings}
+    init_s = time.monotonic() - started
     backend = world.default_pg.backends["cpu"]
     array = np.full(4, rank + 1.0)
     dist.all_reduce(array)
     objects = [None] * world_size
     dist.all_gather_object(objects, rank * 10)
-    result = {"sum": array.tolist(), "objects": objects, "warnings": warnings,
+    result = {"sum": array.tolist(), "objects": objects, "warnings": warnings, "init_s": init_s,
               "bound": backend.meshes[0].listener.getsockname()[:2],
               "advertised": backend.records[rank]["addresses"][0]}
     dist.destroy_process_group()
@@ -159,6 +160,8 @@ def test_an_impostor_without_the_token_is_refused_logged_once_and_the_job_comple
     assert status0 == "ok" and "error" not in result0, result0
     assert status1 == "ok" and "error" not in result1, result1
     assert result0["sum"] == result1["sum"] == [3.0] * 4
+    # one at a time, rank 0 would have given each silent connection its 5 s: 20 s in all
+    assert result0["init_s"] < 10.0, result0["init_s"]
     assert result0["objects"] == result1["objects"] == [0, 10]
     assert status_i == "ok", replies
     for reply in replies:  # a challenge (and a refusal, unless the close raced it), never a frame
@@ -220,3 +223,50 @@ def test_distlib_mesh_bind_all_binds_every_interface():
     for status, result in results:
         assert status == "ok" and "error" not in result, result
         assert tuple(result["bound"]) == ("0.0.0.0", result["advertised"][1])
+
+
+def _silent(port, ready, connections, hold_s):
+    """Open connections to a rank's mesh listener and send nothing on them for ``hold_s``."""
+    socks = []
+    deadline = time.monotonic() + 60
+    while len(socks) < connections:
+        try:
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=1.0))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    open(ready, "w").close()
+    time.sleep(hold_s)
+    for sock in socks:
+        sock.close()
+    return connections
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["token", "no-token"])
+def test_silent_connections_ahead_of_the_real_peer_hold_up_nobody(tmp_path, token):
+    """Four connections that never say a word wait in rank 0's backlog before rank 1 arrives.
+    Each may take 5 s (AUTH_REPLY_S) to give up on: taken one at a time they held rank 0's init
+    for 20 s; side by side they cost the real peer nothing."""
+    store_port, mesh_port = free_port(), free_port()
+    init = f"tcp://127.0.0.1:{store_port}"
+    ready = str(tmp_path / "ready")
+    env = {"DISTLIB_AUTH_TOKEN": token, "DISTLIB_SHM": "0"}
+    rank0 = Proc(_rank, 0, 2, init, 30.0, env=dict(env, DISTLIB_PORT_RANGE=f"{mesh_port}-{mesh_port}"))
+    silent = Proc(_silent, mesh_port, ready, 4, 60.0, env={"DISTLIB_AUTH_TOKEN": None})
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(ready), "the silent client never reached rank 0's mesh listener"
+    rank1 = Proc(_rank, 1, 2, init, 30.0, env=env)
+    try:
+        status0, result0 = rank0.result(90)
+        status1, result1 = rank1.result(90)
+    finally:
+        silent.process.kill()  # its connections were silent all along
+        silent.process.join(10)
+    assert status0 == "ok" and "error" not in result0, result0
+    assert status1 == "ok" and "error" not in result1, result1
+    assert result0["sum"] == result1["sum"] == [3.0] * 4
+    # one at a time, rank 0 would have given each silent connection its 5 s: 20 s in all
+    assert result0["init_s"] < 10.0, result0["init_s"]

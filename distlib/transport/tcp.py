@@ -54,6 +54,7 @@ from ..errors import DistBackendError, DistNetworkError
 from ..net import classify, tune
 from ..net import format_endpoint as endpoint
 from . import frames
+from .accept import Handshakes
 from .early import EarlyBuffers
 from .frames import ABORT, DATA, HEARTBEAT, HELLO, P2P
 
@@ -75,9 +76,9 @@ EAGER_REARM_BYTES = 256 << 10
 #: SO_RCVBUF of a connection between two ranks on one machine when that machine runs more of
 #: the group's ranks than it has CPUs. See crowded_receive_buffer.
 CROWDED_RCVBUF = 2048 << 10
-#: How long an accepted connection has to answer the authentication challenge. A real peer
-#: is blocked waiting for it and answers in one round trip; a connection that sends nothing
-#: must not hold up the peers queued behind it for the whole init timeout.
+#: How long an accepted connection has for each step of its handshake (the answer to the
+#: token's challenge, its HELLO). A real peer answers in one round trip; connections are
+#: handled side by side (accept.py), so a silent one holds up nobody but itself.
 AUTH_REPLY_S = 5.0
 _POLLIN = select.POLLIN | select.POLLPRI
 _EPOLLIN_ONCE = select.EPOLLIN | select.EPOLLONESHOT
@@ -281,18 +282,23 @@ class Mesh:
             sock.sendall(hello)
             self._add(peer, sock, endpoint(host, port), rcvbuf[peer] if peer < len(rcvbuf) else 0)
         expected = set(range(self.rank + 1, self.size))
-        while expected:
-            sock, peer_addr = self._accept(expected, deadline)
-            if self.token is not None and not self._authenticate_peer(sock, peer_addr, deadline):
-                sock.close()
-                continue
-            peer = self._read_hello(sock, deadline)
-            if peer is None or peer not in expected:
-                sock.close()
-                continue
-            expected.discard(peer)
-            self._add(peer, sock, endpoint(addresses[peer][0], addresses[peer][1]),
-                      rcvbuf[peer] if peer < len(rcvbuf) else 0)
+        if expected:
+            handshakes = Handshakes(self.listener, self.size, self.mesh_id, self.token, AUTH_REPLY_S,
+                                    self._refused_connection, self._log_dropped)
+            for peer, sock in handshakes.run(expected, deadline):
+                expected.discard(peer)
+                self._add(peer, sock, endpoint(addresses[peer][0], addresses[peer][1]),
+                          rcvbuf[peer] if peer < len(rcvbuf) else 0)
+        if expected:
+            for conn in self.conns:
+                if conn is not None:
+                    conn.sock.close()
+            missing = ", ".join(str(r) for r in sorted(expected))
+            raise DistNetworkError(
+                f"{self.label}: rank {self.rank} waited {format_duration(deadline.seconds)} for ranks {missing} "
+                f"to connect to {endpoint(*self.listener.getsockname()[:2])}; they published their addresses "
+                f"but never connected (a firewall, or this rank's advertised address is unreachable from "
+                f"them: set GLOO_SOCKET_IFNAME){self._refusals_text()}")
         self._progress = threading.Thread(target=self._progress_loop, name=f"distlib-progress-{self.label}",
                                           daemon=True)
         self._progress.start()
@@ -317,22 +323,6 @@ class Mesh:
             time.sleep(min(delay, deadline.remaining()))
             delay = min(0.5, delay * 2)
 
-    def _accept(self, expected, deadline: Deadline):
-        while True:
-            left = deadline.remaining()
-            ready, _, _ = select.select([self.listener], [], [], left)
-            if ready:
-                sock, addr = self.listener.accept()
-                tune(sock)
-                return sock, addr
-            if deadline.expired():
-                missing = ", ".join(str(r) for r in sorted(expected))
-                raise DistNetworkError(
-                    f"{self.label}: rank {self.rank} waited {format_duration(deadline.seconds)} for ranks {missing} "
-                    f"to connect to {endpoint(*self.listener.getsockname()[:2])}; they published their addresses "
-                    f"but never connected (a firewall, or this rank's advertised address is unreachable from "
-                    f"them: set GLOO_SOCKET_IFNAME){self._refusals_text()}")
-
     def _authenticate_to(self, peer: int, sock: socket.socket, host: str, port: int, deadline: Deadline) -> None:
         """Prove the token to rank ``peer``'s listener, and make it prove it back."""
         where = f"rank {peer} at {endpoint(host, port)}"
@@ -345,17 +335,9 @@ class Mesh:
                 f"{self.label}: rank {self.rank} could not authenticate its mesh connection to {where}: {detail}. "
                 f"Every rank of the job must have the same DISTLIB_AUTH_TOKEN (or DISTLIB_AUTH_TOKEN_FILE)") from None
 
-    def _authenticate_peer(self, sock: socket.socket, peer_addr, deadline: Deadline) -> bool:
-        """Whether the connection just accepted proves the token; a refusal is logged (WARNING
-        once per address) and remembered for the timeout error."""
-        host = peer_addr[0] if isinstance(peer_addr, tuple) else str(peer_addr)
-        where = endpoint(host, peer_addr[1]) if isinstance(peer_addr, tuple) else host
-        try:
-            auth.accept_blocking(sock, self.token, Deadline(min(AUTH_REPLY_S, max(0.01, deadline.remaining()))),
-                                 f"the connection from {where}")
-            return True
-        except (auth.AuthError, OSError) as exc:
-            reason = str(exc) if isinstance(exc, auth.AuthError) else classify(exc)
+    def _refused_connection(self, host: str, where: str, reason: str) -> None:
+        """A connection failed authentication: logged (WARNING once per address) and
+        remembered for the timeout error."""
         entry = self.refused.setdefault(host, [0, ""])
         entry[0] += 1
         entry[1] = reason
@@ -363,35 +345,15 @@ class Mesh:
             "%s: rank %d refused a mesh connection from %s: %s (this job's mesh requires authentication with "
             "DISTLIB_AUTH_TOKEN; nothing it sent was read; further refusals from %s are logged at DEBUG)",
             self.label, self.rank, where, reason, host)
-        return False
+
+    def _log_dropped(self, message: str, *args) -> None:
+        log.debug("%s: rank %d " + message, self.label, self.rank, *args)
 
     def _refusals_text(self) -> str:
         if not self.refused:
             return ""
         parts = [f"{n} from {host} (last: {reason})" for host, (n, reason) in sorted(self.refused.items())]
         return "; meanwhile it refused connections that failed authentication: " + "; ".join(parts)
-
-    def _read_hello(self, sock: socket.socket, deadline: Deadline) -> Optional[int]:
-        want = frames.HEADER_SIZE + frames.HELLO_PAYLOAD.size
-        data = b""
-        sock.settimeout(max(0.01, min(5.0, deadline.remaining())))
-        try:
-            while len(data) < want:
-                chunk = sock.recv(want - len(data))
-                if not chunk:
-                    return None
-                data += chunk
-        except OSError:
-            return None
-        finally:
-            sock.settimeout(None)
-        kind = data[0]
-        peer, mesh_id = frames.HELLO_PAYLOAD.unpack_from(data, frames.HEADER_SIZE)
-        if kind != HELLO or mesh_id != self.mesh_id or not 0 <= peer < self.size:
-            log.warning("%s: refused a connection that is not from this group (kind %d, mesh %x)",
-                        self.label, kind, mesh_id)
-            return None
-        return peer
 
     def _add(self, peer: int, sock: socket.socket, address: str, rcvbuf: int = 0) -> None:
         # Blocking sockets with kernel timeouts: one recv_into(MSG_WAITALL) reads a whole
