@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from tests.fixtures.docker import exec_text, idle_container, labelled_container, run_build_script
+from tests.fixtures.docker import exec_text, idle_container, run_build_script, run_default_command
 
 from .test_image import VENV, repo_version, working_tree_sources
 
@@ -61,13 +61,7 @@ def installed(box) -> dict[str, str]:
 def test_default_command_reports_versions_and_no_device_in_two_lines(docker_client, cuda_image, box):
     image = docker_client.images.get(cuda_image)
     assert image.attrs["Config"]["Cmd"] == ["distlib", "gpu-info"]
-    ctr = labelled_container(cuda_image)
-    ctr.start()
-    try:
-        code = ctr.wait()
-        stdout, stderr = ctr.get_logs()
-    finally:
-        ctr.stop()
+    code, stdout, stderr = run_default_command(cuda_image)
     lines = (stdout + stderr).decode().strip().splitlines()
     assert code == 1, lines
     assert len(lines) == 2 and "Traceback" not in "".join(lines), lines

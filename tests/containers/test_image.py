@@ -26,8 +26,8 @@ from tests.fixtures.docker import (
     exec_text,
     idle_container,
     labelled,
-    labelled_container,
     run_build_script,
+    run_default_command,
     temp_image_tag,
 )
 
@@ -198,13 +198,7 @@ def test_setuptools_is_not_shipped(box):
 
 def test_default_command(image, distlib_image):
     assert image.attrs["Config"]["Cmd"] == ["distlib", "--help"]
-    ctr = labelled_container(distlib_image)
-    ctr.start()
-    try:
-        code = ctr.wait()
-        stdout, stderr = ctr.get_logs()
-    finally:
-        ctr.stop()
+    code, stdout, stderr = run_default_command(distlib_image)
     text = (stdout + stderr).decode(errors="replace")
     assert code == 0, text
     assert "store-server" in text

@@ -271,16 +271,17 @@ def _init_child(conn, impl: str, rank: int, world: int, port: int, env: Dict[str
 
 
 class _Group:
-    """N rank children of one implementation, kept for the whole sweep."""
+    """N rank children of one implementation, kept for the whole sweep. ``start_rank(rank,
+    port)`` starts one rank's child (a CPU rank here, a GPU rank in collectives_cuda); the
+    ranks rendezvous on ``port`` and answer once they have joined."""
 
-    def __init__(self, impl: str, nranks: int, env: Dict[str, str], timeout_s: float):
+    def __init__(self, impl: str, nranks: int, timeout_s: float, start_rank: Callable[[int, int], Child]):
         self.impl, self.n, self.timeout_s = impl, nranks, timeout_s
         port = free_port()
         self.ranks: List[Child] = []
         try:
             for r in range(nranks):
-                self.ranks.append(Child(_rank_child, impl, r, nranks, port, env, timeout_s,
-                                        name=f"{impl}-rank-{r}"))
+                self.ranks.append(start_rank(r, port))
             for child in self.ranks:
                 child.recv(timeout_s)
         except BaseException:
@@ -391,7 +392,9 @@ class CollectivesBench:
             group = mpi_group.MpiGroup(self.n, impls, self.args.timeout)
             self.mpi_library = group.library
             return group
-        return _Group(key, self.n, self.env, self.args.timeout)
+        n, env, timeout = self.n, self.env, self.args.timeout
+        return _Group(key, n, timeout, lambda r, port: Child(_rank_child, key, r, n, port, env, timeout,
+                                                             name=f"{key}-rank-{r}"))
 
     def collectives(self) -> None:
         self._plan()

@@ -38,7 +38,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from distlib.net import raise_fd_limit
 from ..command import ToolError
 from ..sizes import format_size
-from ..store_service import free_port
 from . import collectives as cpu
 from .cases import Case
 from . import common
@@ -212,24 +211,6 @@ def _probe_child(conn, with_torch: bool) -> Dict[str, Any]:
     return facts
 
 
-class _CudaGroup(cpu._Group):
-    """N GPU rank children of one implementation, kept for the whole sweep."""
-
-    def __init__(self, impl: str, nranks: int, backend: str, devices: int, timeout_s: float):
-        self.impl, self.n, self.timeout_s = impl, nranks, timeout_s
-        port = free_port()
-        self.ranks: List[Child] = []
-        try:
-            for r in range(nranks):
-                self.ranks.append(Child(_cuda_rank_child, impl, backend, r, nranks, port, devices, timeout_s,
-                                        name=f"{impl}-{backend}-cuda-rank-{r}"))
-            for child in self.ranks:
-                child.recv(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-
 # -- the sweep ----------------------------------------------------------------------------------
 
 
@@ -243,7 +224,9 @@ class CudaCollectivesBench(cpu.CollectivesBench):
         self.devices = devices
 
     def _start_group(self, impl: str) -> cpu._Group:
-        return _CudaGroup(impl, self.n, self.backend, self.devices, self.args.timeout)
+        n, backend, devices, timeout = self.n, self.backend, self.devices, self.args.timeout
+        return cpu._Group(impl, n, timeout, lambda r, port: Child(
+            _cuda_rank_child, impl, backend, r, n, port, devices, timeout, name=f"{impl}-{backend}-cuda-rank-{r}"))
 
     def _plan(self) -> None:
         super()._plan()
