@@ -24,9 +24,10 @@ What it does not do: without TLS the rest of the connection is not protected; an
 the path who can rewrite packets after the exchange is stopped only by TLS (docs/security.md).
 With no token set, nothing here runs and the store's wire is byte for byte torch's.
 
-The pure functions build and check messages; ``accept_blocking`` and ``connect_blocking`` run
-the exchange on a blocking socket with a deadline (the mesh); the store server drives the same
-functions from its event loop.
+The pure functions build and check messages; ``connect_blocking`` runs a peer's side of the
+exchange on a blocking socket with a deadline (a rank connecting to a peer's mesh listener); the
+listeners (the store server, a rank's mesh listener: transport/accept.py) drive the same
+functions from their event loops, many connections at once.
 """
 
 from __future__ import annotations
@@ -154,21 +155,6 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Deadline, what: str, peer
                             f"({len(buf)} of {n} bytes arrived)")
         buf += chunk
     return bytes(buf)
-
-
-def accept_blocking(sock: socket.socket, token: bytes, deadline: Deadline, peer: str) -> None:
-    """Authenticate the peer on an accepted ``sock``; AuthError (after sending REFUSED) if it fails."""
-    message, nonce = challenge()
-    sock.sendall(message)
-    response = _recv_exact(sock, RESPONSE_BYTES, deadline, "authentication response", peer)
-    verdict = verify_response(token, nonce, response)
-    if verdict is None:
-        try:
-            sock.sendall(bytes([REFUSED]))
-        except OSError:
-            pass
-        raise AuthError(f"{peer} failed authentication: its response does not prove DISTLIB_AUTH_TOKEN")
-    sock.sendall(verdict)
 
 
 def connect_blocking(sock: socket.socket, token: bytes, deadline: Deadline, peer: str) -> None:
