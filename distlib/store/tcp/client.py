@@ -343,10 +343,6 @@ class TCPStore(Store):
         self._broken = text
         return DistNetworkError(text)
 
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise DistNetworkError(self._broken)
-
     def _send(self, data: bytes) -> None:
         if self._broken is not None:
             raise DistNetworkError(self._broken)

@@ -161,7 +161,7 @@ class Connection(Waiter):
     connections never need (``pending``, ``held``, ``inbuf``) are None until they do.
     """
 
-    __slots__ = ("sock", "fd", "peer", "inbuf", "need", "scan", "out", "refs", "pending", "pending_len",
+    __slots__ = ("sock", "fd", "peer", "inbuf", "need", "scan", "out", "refs", "pending",
                  "pending_own", "validated", "held", "is_worker", "paused", "tls", "gate", "buffered")
 
     def __init__(self, sock: socket.socket, peer: str):
@@ -175,7 +175,6 @@ class Connection(Waiter):
         self.out: List[bytes] = []  # replies produced this loop turn
         self.refs = False  # out carries a stored value by reference (handlers.py): sendmsg, no join
         self.pending: Optional[Deque[bytes]] = None  # replies the kernel did not take yet
-        self.pending_len = 0
         self.pending_own = 0  # of which the server's own bytes (not stored values; the budget's)
         self.validated = False
         self.held: Optional[Deque[bytes]] = None  # raw requests queued behind a wait
@@ -847,7 +846,6 @@ class StoreServer:
         conn.refs = False
         if conn.pending is not None:
             conn.pending.extend(out)
-            conn.pending_len += sum(map(len, out))
             own = _own_bytes(out)
             conn.pending_own += own
             self._charge(conn, own)
@@ -872,7 +870,6 @@ class StoreServer:
         pending = collections.deque(out)
         _drop_front(pending, sent)
         conn.pending = pending
-        conn.pending_len = total - sent
         conn.paused = True
         ep.modify(conn.fd, PAUSED_EVENTS)
         self._flush_pending(conn, ep)  # more than IOV_MAX parts: the socket may take more
@@ -894,10 +891,8 @@ class StoreServer:
             except OSError as exc:
                 self._close(conn, ep, _send_failure(exc))
                 return
-            conn.pending_len -= sent
             _drop_front(pending, sent)  # (a partial send is not "full": TLS takes 256 KiB a call)
         conn.pending = None
-        conn.pending_len = 0
         self._charge(conn, -conn.pending_own)
         conn.pending_own = 0
         ep.modify(conn.fd, CONN_EVENTS)

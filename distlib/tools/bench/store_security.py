@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from distlib.net import raise_fd_limit
 from .common import Child, Printer, Row, Table, fmt_num, median, quantile, run_child, timed_loop
@@ -236,7 +236,3 @@ def files_from_args(cert: Optional[str], key: Optional[str], ca: Optional[str]) 
     if len(given) != 3:
         raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
     return {"cert": cert, "key": key, "ca": ca}
-
-
-def variant_names() -> Sequence[str]:
-    return [v[0] for v in VARIANTS]
