@@ -1,26 +1,32 @@
 """Slurm's host list syntax, expanded: ``node[01-03,7],gpu[1-2]-ib`` → the host names, in order.
 
-Slurm writes node lists compressed (``SLURM_JOB_NODELIST``, ``SLURM_STEP_NODELIST``,
-``scontrol show hostnames`` expands them). The rules, as Slurm 22.05 applies them (checked
-against ``scontrol show hostnames`` by tests/containers/test_slurm_cluster.py):
+Slurm writes node lists compressed (``SLURM_JOB_NODELIST``, ``SLURM_STEP_NODELIST``;
+``scontrol show hostnames`` expands them). The rules, as Slurm 22.05's ``scontrol show
+hostnames`` applies them (tests/containers/test_slurm_cluster.py compares the two):
 
-* hosts are separated by commas outside brackets (also by spaces, tabs and newlines);
-* ``prefix[ranges]suffix``: each range is ``N`` or ``LO-HI`` (``LO <= HI``), ranges are
-  separated by commas, and the numbers keep the width of ``LO`` as written, zero-padded
-  (``[01-10]`` → ``01 .. 10``, ``[1-10]`` → ``1 .. 10``, ``[001-3]`` → ``001 .. 003``);
-* several bracket groups in one host expand as nested loops, the first group outermost
-  (``r[1-2]n[1-2]`` → ``r1n1, r1n2, r2n1, r2n2``);
+* hosts are separated by commas outside brackets (also by spaces, tabs and newlines); empty
+  items are skipped;
+* ``prefix[ranges]``: each range is ``N`` or ``LO-HI`` (``LO <= HI``), ranges are separated by
+  commas, and the numbers keep the width of ``LO`` as written, zero-padded (``[01-10]`` →
+  ``01 .. 10``, ``[1-10]`` → ``1 .. 10``, ``[001-3]`` → ``001 .. 003``);
+* a host may have several groups, each with text before it (``rack[1-2]-n[01-02]``), but no
+  text after its last group: Slurm 22.05 calls ``b[1-2]-ib`` an invalid host list;
+* several groups expand in Slurm's order: the last group varies fastest, then the first,
+  the second, ... up to the next-to-last, which varies slowest (``r[1-2]n[1-2]`` → ``r1n1,
+  r1n2, r2n1, r2n2``; ``x[1-2]y[3-4]z[5-6]`` → ``x1y3z5, x1y3z6, x2y3z5, x2y3z6, x1y4z5, ...``);
 * duplicates are kept, order is as written.
 
 Anything else (an unclosed or nested bracket, an empty group or range, a reversed range, a
-non-digit bound, a range of more than ``MAX_RANGE`` hosts, one host expanding to more than
-``MAX_HOSTS``) is a ``HostlistError`` that quotes
-the list and says where it is wrong: a node list read from the environment is the caller's
-variable, and guessing would send a job to the wrong host.
+non-digit bound, text after a group, a range of more than ``MAX_RANGE`` hosts, one host
+expanding to more than ``MAX_HOSTS``) is a ``HostlistError`` that quotes the list and says
+where it is wrong: a node list read from the environment is the caller's variable, and
+guessing would send a job to the wrong host. (Slurm itself reads a few of these, such as an
+unclosed bracket, as some other name.)
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import List, Tuple
 
@@ -90,6 +96,9 @@ def _parse_item(item: str, text: str) -> Tuple[List[Tuple[str, List[Range]]], st
         prefix, _, after = rest.partition("[")
         inside, _, rest = after.partition("]")
         groups.append((prefix, [_parse_range(part, item, text) for part in inside.split(",")]))
+    if groups and rest:
+        raise HostlistError(f"{item!r} in the host list {text!r} has {rest!r} after its last ']': Slurm's host "
+                            "lists allow text before a bracket group, not after the last one")
     return groups, rest
 
 
@@ -119,8 +128,12 @@ def _expand_item(item: str, text: str) -> List[str]:
         total *= sum(high - low + 1 for low, high, _width in ranges)
     if total > MAX_HOSTS:
         raise HostlistError(f"{item!r} in the host list {text!r} names {total} hosts (more than {MAX_HOSTS})")
-    names = [""]
-    for prefix, ranges in groups:
-        numbers = [f"{n:0{width}d}" for low, high, width in ranges for n in range(low, high + 1)]
-        names = [f"{name}{prefix}{number}" for name in names for number in numbers]
-    return [name + suffix for name in names]
+    numbers = [[f"{n:0{width}d}" for low, high, width in ranges for n in range(low, high + 1)]
+               for _prefix, ranges in groups]
+    # Slurm's order, slowest first: the next-to-last group down to the first, then the last
+    order = list(range(len(groups) - 2, -1, -1)) + [len(groups) - 1] if groups else []
+    names = []
+    for chosen in itertools.product(*(numbers[i] for i in order)):
+        picked = dict(zip(order, chosen))
+        names.append("".join(prefix + picked[i] for i, (prefix, _ranges) in enumerate(groups)) + suffix)
+    return names

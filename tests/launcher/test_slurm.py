@@ -28,9 +28,14 @@ from distlib.slurm.step import SlurmError, Step, outside_step_hint, parse_tasks_
     ("node[1-010]", [f"node{i}" for i in range(1, 11)]),          # the width is LO's as written
     ("node[001-3]", ["node001", "node002", "node003"]),
     ("node[9-10],gpu[1-2]", ["node9", "node10", "gpu1", "gpu2"]),
-    ("a1,b[2-3]-ib,c", ["a1", "b2-ib", "b3-ib", "c"]),             # a suffix after the group
-    ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),     # several groups: first outermost
-    ("r[1-2]-n[3,5]-ib", ["r1-n3-ib", "r1-n5-ib", "r2-n3-ib", "r2-n5-ib"]),
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("gpu-[1-2],a-b[7]", ["gpu-1", "gpu-2", "a-b7"]),
+    ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),     # two groups: the first slowest
+    ("n[1-2]-[3-4]", ["n1-3", "n1-4", "n2-3", "n2-4"]),
+    # three and more: the last fastest, then the first, ..., the next-to-last slowest (Slurm's order)
+    ("x[1-2]y[3-4]z[5-6]", ["x1y3z5", "x1y3z6", "x2y3z5", "x2y3z6", "x1y4z5", "x1y4z6", "x2y4z5", "x2y4z6"]),
+    ("a[1-2]b[3-5]c[6-7]", ["a1b3c6", "a1b3c7", "a2b3c6", "a2b3c7", "a1b4c6", "a1b4c7", "a2b4c6", "a2b4c7",
+                            "a1b5c6", "a1b5c7", "a2b5c6", "a2b5c7"]),
     ("[1-2]", ["1", "2"]),
     ("node2,node1,node2", ["node2", "node1", "node2"]),           # order and duplicates as written
     ("node1 node2\tnode3", ["node1", "node2", "node3"]),
@@ -60,6 +65,8 @@ def test_hostlist_large_range_keeps_width():
     ("node[1-70000]", "names 70000 hosts, more than Slurm's limit of 65536"),
     ("a[1-2000]b[1-2000]", "names 4000000 hosts"),
     ("x,node[1 -2]", "white space inside brackets"),
+    ("b[2-3]-ib", "'b[2-3]-ib' in the host list 'b[2-3]-ib' has '-ib' after its last ']'"),
+    ("a,r[1-2]n[3]x", "has 'x' after its last ']'"),
 ])
 def test_malformed_hostlists_say_where(text, words):
     with pytest.raises(hostlist.HostlistError) as info:
