@@ -293,9 +293,9 @@ class Step:
 TORCH_VARIABLES = (("RANK", "rank"), ("WORLD_SIZE", "world_size"), ("MASTER_ADDR", "master_addr"),
                    ("MASTER_PORT", "master_port"), ("LOCAL_RANK", "local_rank"),
                    ("LOCAL_WORLD_SIZE", "local_world_size"), ("GROUP_RANK", "node_rank"),
-                   ("GROUP_WORLD_SIZE", "nnodes"))
+                   ("GROUP_WORLD_SIZE", "nnodes"), ("TORCHELASTIC_RUN_ID", "run_id"))
 #: Those a task gets only when its RANK came from Slurm too: they describe the same task.
-_WITH_RANK = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+_WITH_RANK = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
 def torch_environment(env: Mapping[str, str], given: Iterable[str] = ()) -> Dict[str, Tuple[str, str]]:
@@ -303,8 +303,9 @@ def torch_environment(env: Mapping[str, str], given: Iterable[str] = ()) -> Dict
 
     Each of RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT that ``env`` lacks (unset or empty)
     and ``given`` does not name (e.g. a rank passed as an argument) comes from Slurm; when RANK
-    does, so do the missing LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and GROUP_WORLD_SIZE
-    (what torchrun would have set). Outside a step: ``{}``.
+    does, so do the missing LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE and (no
+    DISTLIB_RUN_ID being set) TORCHELASTIC_RUN_ID, what torchrun would have set. Outside a
+    step: ``{}``.
 
     Raises:
         SlurmError: a needed value's variables contradict each other (the message names them),
@@ -319,6 +320,8 @@ def torch_environment(env: Mapping[str, str], given: Iterable[str] = ()) -> Dict
     for name, attribute in TORCH_VARIABLES:
         if _get(env, name) is not None or name in given or (name in _WITH_RANK and not rank_from_slurm):
             continue
+        if name == "TORCHELASTIC_RUN_ID" and _get(env, "DISTLIB_RUN_ID") is not None:
+            continue  # the job's own run id (settings.run_id reads TORCHELASTIC_RUN_ID first)
         reading: Reading = getattr(step, attribute)
         value = reading.get()
         if value is None:

@@ -110,7 +110,8 @@ def test_what_srun_tells_a_task_in_torchs_names():
     got = torch_environment(TASK3)
     assert {k: v for k, (v, _source) in got.items()} == {
         "RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "node1", "MASTER_PORT": str(port_for(1234, 0)),
-        "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
+        "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "slurm-1234.0"}
     assert got["RANK"][1] == "SLURM_PROCID=3"
     assert got["MASTER_ADDR"][1] == "the first host of SLURM_STEP_NODELIST=node[1-2]"
     assert got["LOCAL_WORLD_SIZE"][1] == "SLURM_STEP_TASKS_PER_NODE=2(x2) at SLURM_NODEID=1"
@@ -184,6 +185,11 @@ def test_a_task_started_by_a_launcher_takes_nothing_from_slurm():
     env = dict(TASK3, SLURM_PROCID="9", RANK="5", WORLD_SIZE="8", MASTER_ADDR="node1", MASTER_PORT="29500",
                LOCAL_RANK="1")
     assert torch_environment(env) == {}
+
+
+def test_the_jobs_own_run_id_wins():
+    assert "TORCHELASTIC_RUN_ID" not in torch_environment(dict(TASK3, DISTLIB_RUN_ID="exp-1"))
+    assert "TORCHELASTIC_RUN_ID" not in torch_environment(dict(TASK3, TORCHELASTIC_RUN_ID="exp-2"))
 
 
 def test_local_variables_only_with_a_rank_from_slurm():

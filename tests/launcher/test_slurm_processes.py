@@ -30,7 +30,7 @@ distlib.init_process_group("gloo", timeout=__import__("datetime").timedelta(seco
 x = np.array([distlib.get_rank() + 1.0])
 distlib.all_reduce(x)
 seen = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                       "MASTER_ADDR", "MASTER_PORT")}
+                                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
 print("RESULT " + json.dumps({"rank": distlib.get_rank(), "world": distlib.get_world_size(), "sum": float(x[0]),
                               "env": seen}), flush=True)
 distlib.destroy_process_group()
@@ -87,7 +87,7 @@ def test_srun_python_shape_env_init_with_nothing_set_by_hand():
     for (procid, nodeid, localid), r in zip(layout, got):
         assert r["env"] == {"RANK": str(procid), "WORLD_SIZE": "4", "LOCAL_RANK": str(localid),
                             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(nodeid), "MASTER_ADDR": "localhost",
-                            "MASTER_PORT": port}, r
+                            "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": f"slurm-{job}.0"}, r
 
 
 def test_srun_python_shape_says_where_each_value_came_from():
@@ -136,3 +136,4 @@ def test_srun_distlib_run_shape_one_launcher_per_node(tmp_path):
     assert [(r["env"]["LOCAL_RANK"], r["env"]["GROUP_RANK"]) for r in got] == [("0", "0"), ("1", "0"),
                                                                                 ("0", "1"), ("1", "1")]
     assert {r["env"]["MASTER_PORT"] for r in got} == {str(port_for(job, 0))}
+    assert {r["env"]["TORCHELASTIC_RUN_ID"] for r in got} == {f"slurm-{job}.0"}  # distlib-run's run id

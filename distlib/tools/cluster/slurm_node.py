@@ -97,7 +97,7 @@ def slurm_conf(names: Sequence[str], cpus: int) -> str:
         "KillWait=5",
         "InactiveLimit=0",
         "MinJobAge=600",
-        f"NodeName={','.join(names)} CPUs={cpus} State=UNKNOWN",
+        f"NodeName={','.join(names)} CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 State=UNKNOWN",
         "PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         "",
     ])
