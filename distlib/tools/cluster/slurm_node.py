@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import pwd
+import select
 import shlex
 import shutil
 import signal
@@ -49,6 +50,9 @@ MUNGE_KEY = "/run/secrets/distlib/munge.key"
 CTLD_LOG = Path("/var/log/slurm/slurmctld.log")
 HOSTS_MARK = "# distlib slurm nodes"
 JOB_USER = "distlib"
+#: Seconds sbatch may take to say the job's id (it then waits for the job: CLUSTER_TIMEOUT,
+#: on the host, bounds that).
+SUBMIT_TIMEOUT_S = 60
 #: The default job's report, on the volume all nodes share (cluster up prints it).
 REPORT_ARGS = ["--report-json", "/workspace/report.json", "--report-text", "/workspace/report.txt"]
 #: Variables of the controller's environment the job's tasks get (sbatch passes its own on).
@@ -254,11 +258,16 @@ def submit(nodes: int) -> int:
         log(f"  | {line}")
     sbatch = subprocess.Popen(["runuser", "-u", JOB_USER, "--", "sbatch", "--parsable", "--wait", str(script)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_job_env())
-    first = sbatch.stdout.readline().strip()
+    ready, _, _ = select.select([sbatch.stdout], [], [], SUBMIT_TIMEOUT_S)  # sbatch prints the id, then waits
+    first = sbatch.stdout.readline().strip() if ready else ""
     job_id = first.split(";", 1)[0]
     if not job_id.isdigit():
-        sbatch.wait(30)
-        raise ToolError(f"sbatch did not submit the job: {first} {sbatch.stderr.read().strip()}")
+        if sbatch.poll() is None:
+            sbatch.kill()
+        sbatch.wait(10)
+        said = " ".join(filter(None, (first, sbatch.stderr.read().strip())))
+        raise ToolError(f"sbatch did not submit the job within {SUBMIT_TIMEOUT_S} s (exit {sbatch.returncode}): "
+                        f"{said or 'it said nothing'}")
     log(f"job {job_id} submitted; its output ({output.replace('%j', job_id)}):")
     path = Path(output.replace("%j", job_id))
     offset = 0
@@ -292,7 +301,7 @@ def submit(nodes: int) -> int:
 
 def controller(do_submit: bool) -> int:
     nodes = int(os.environ.get("NODES", "1"))
-    names, addresses = _name_the_nodes(nodes, None)
+    names, _addresses = _name_the_nodes(nodes, None)
     _configure(names)
     started = time.monotonic()
     with open(CTLD_LOG, "ab") as out:
