@@ -236,7 +236,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             from .backends import mpi_runtime
 
             rank, world_size = mpi_runtime.world_rank_and_size(rank, world_size)
-        configure_logging(rank if rank >= 0 else int(os.environ.get("RANK", "-1") or -1))
+        # the log prefix's rank: srun's task rank stands in for RANK until env:// has set it
+        configure_logging(rank if rank >= 0 else int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or -1))
         name = str(world.group_count)
         world.group_count += 1
         started = time.monotonic()

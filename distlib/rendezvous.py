@@ -17,6 +17,7 @@ one master service never see each other's keys.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 from datetime import timedelta
@@ -24,6 +25,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 from urllib.parse import urlparse, urlunparse
 
 from . import settings
+from .slurm import step as slurm_step
 from .store.base import Store
 from .store.prefix import PrefixStore
 
@@ -34,6 +36,7 @@ RendezvousResult = Tuple[Store, int, int]
 Handler = Callable[..., Iterator[RendezvousResult]]
 
 _handlers: Dict[str, Handler] = {}
+log = logging.getLogger("distlib.rendezvous")
 
 
 def register_rendezvous_handler(scheme: str, handler: Handler) -> None:
@@ -98,11 +101,14 @@ def check_rank(rank: int, world_size: int, rank_from: str, size_from: str) -> No
 
 
 def _origin(name: str, env_name: str, query: Dict[str, str], origins: Dict[str, str]) -> str:
-    """Where a handler's ``name`` came from, in words (see check_rank)."""
-    if name in origins:
+    """Where a handler's ``name`` came from, in words (see check_rank). ``origins``: "argument"
+    for an argument, else the variables an environment value was taken from (Slurm's)."""
+    if origins.get(name) == "argument":
         return f"{name}={query.get(name)}, from the {name}= argument"
     if name in query:
         return f"{name}={query[name]}, from the init_method URL"
+    if name in origins:
+        return f"{env_name}={os.environ.get(env_name)}, from {origins[name]}"
     return f"{env_name}={os.environ.get(env_name)}, from the environment"
 
 
@@ -176,10 +182,13 @@ def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, w
     def env_or_raise(name: str) -> str:
         value = os.environ.get(name)
         if not value:
-            raise error(f"environment variable {name} expected, but not set")
+            raise error(f"environment variable {name} expected, but not set" + slurm_step.outside_step_hint(os.environ))
         return value
 
     query = _query_to_dict(urlparse(url).query)
+    origins = dict(origins or {})
+    for name, source in _fill_from_slurm(query, error).items():
+        origins[name] = source
     rank = int(query["rank"]) if "rank" in query else int(env_or_raise("RANK"))
     world_size = int(query["world_size"]) if "world_size" in query else int(env_or_raise("WORLD_SIZE"))
     _checked(error, query, origins or {}, rank, world_size)
@@ -188,6 +197,27 @@ def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, w
     store = create_c10d_store(master_addr, master_port, rank, world_size, timeout, query, wait_for_workers)
     yield (store, rank, world_size)
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
+def _fill_from_slurm(query: Dict[str, str], error: Callable[[str], ValueError]) -> Dict[str, str]:
+    """Inside an ``srun`` step, set the torch variables the task lacks from Slurm's (as torchrun
+    would have set them; distlib/slurm/step.py), so that this handler and the code after
+    init_process_group (a GPU per LOCAL_RANK) find them. Returns {"rank"/"world_size": the
+    Slurm variables} for the messages. Contradicting Slurm variables: ``error`` naming them,
+    before anything waits on the network."""
+    given = [env for key, env in (("rank", "RANK"), ("world_size", "WORLD_SIZE")) if key in query]
+    try:
+        values = slurm_step.torch_environment(os.environ, given)
+    except slurm_step.SlurmError as exc:
+        raise error(f"{exc} (Slurm's variables of this srun task)") from None
+    if not values:
+        return {}
+    for name, (value, _source) in values.items():
+        os.environ[name] = value
+    log.info("env:// inside Slurm step %s.%s: %s", os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID"),
+             ", ".join(f"{name}={value} (from {source})" for name, (value, source) in values.items()))
+    return {key: f"{values[env][1]} (srun)" for key, env in (("rank", "RANK"), ("world_size", "WORLD_SIZE"))
+            if env in values}
 
 
 def _file_rendezvous_handler(url: str, origins: Optional[Dict[str, str]] = None, **kwargs):

@@ -28,7 +28,7 @@ LAYERS: Dict[str, int] = {
     "distlib.work": 1, "distlib.reduce_op": 1, "distlib.arrays": 1,
     # 0: foundation
     "distlib.errors": 0, "distlib.deadline": 0, "distlib.net": 0, "distlib.busy_poll": 0,
-    "distlib.cpus": 0, "distlib.auth": 0, "distlib.tls": 0, "distlib.settings": 0,
+    "distlib.cpus": 0, "distlib.auth": 0, "distlib.tls": 0, "distlib.settings": 0, "distlib.slurm": 0,
 }
 
 

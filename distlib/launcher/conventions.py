@@ -24,6 +24,12 @@ The conventions, in the order ``resolve`` consults them (docs/launcher.md has th
 * **MASTER_ADDR/MASTER_PORT** in the launcher's own environment (set by the same operators,
   or by hand).
 * **run id variables** — ``DISTLIB_RUN_ID`` (the Helm chart), ``TORCHELASTIC_RUN_ID``.
+* **Slurm** — inside an ``srun`` step (distlib/slurm/step.py reads the variables): with one
+  task per node (``srun --ntasks-per-node=1 distlib-run ...``), ``SLURM_NNODES`` nodes and
+  node rank ``SLURM_NODEID``; the first host of ``SLURM_STEP_NODELIST`` as master address,
+  the port from the job and step ids, the run id ``slurm-<job>.<step>``. With several tasks on
+  a node every task would start its own launcher there: the node count and rank are errors
+  that say so (unless given as flags).
 * **LeaderWorkerSet** — ``LWS_LEADER_ADDRESS`` (the leader pod's DNS name),
   ``LWS_GROUP_SIZE`` (pods in the group), ``LWS_WORKER_INDEX`` (0 for the leader). Each group
   is its own job, so the leader's address also serves as a run id the group agrees on.
@@ -43,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..settings import launcher_run_id
+from ..slurm import step as slurm_step
 
 FIELDS = ("nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port",
           "rdzv_backend", "rdzv_endpoint", "run_id")
@@ -184,6 +191,44 @@ def run_id_env(env: Mapping[str, str]) -> Convention:
     return conv
 
 
+# -- Slurm ---------------------------------------------------------------------------------------
+
+SLURM = "Slurm (srun)"
+
+
+def _add_reading(conv: Convention, field_name: str, reading: slurm_step.Reading, note: str = "") -> None:
+    if reading.error:
+        conv.add(field_name, None, reading.source or "Slurm's variables",
+                 f"{reading.error} (Slurm's variables of this srun task)")
+    elif reading.value is not None:
+        conv.add(field_name, str(reading.value), reading.source + note)
+
+
+def slurm(env: Mapping[str, str]) -> Convention:
+    conv = Convention(SLURM)
+    if not slurm_step.in_step(env):
+        hint = slurm_step.outside_step_hint(env)
+        if hint:
+            conv.notes.append("Slurm's variables not read" + hint)
+        return conv
+    step = slurm_step.Step(env)
+    shape = step.one_task_per_node
+    if shape.error or shape.value is not False:
+        _add_reading(conv, "nnodes", shape if shape.error else step.nnodes, " (one distlib-run per node)")
+        _add_reading(conv, "node_rank", shape if shape.error else step.node_rank)
+    else:
+        text = (f"this srun step runs several tasks on a node ({shape.source}), so each would start its own "
+                "distlib-run there: start one per node (srun --ntasks-per-node=1 distlib-run --nproc-per-node N "
+                "...), or run the script itself as the step's tasks (srun python train.py); or pass --nnodes "
+                "and --node-rank")
+        conv.add("nnodes", None, shape.source, text)
+        conv.add("node_rank", None, shape.source, text)
+    _add_reading(conv, "master_addr", step.master_addr)
+    _add_reading(conv, "master_port", step.master_port)
+    _add_reading(conv, "run_id", step.run_id)
+    return conv
+
+
 # -- LeaderWorkerSet ------------------------------------------------------------------------------
 
 LWS = "LeaderWorkerSet"
@@ -289,6 +334,7 @@ def read_all(env: Mapping[str, str], hostname: Optional[str] = None) -> List[Con
         pod_rank(env),
         master_env(env),
         run_id_env(env),
+        slurm(env),
         leader_worker_set(env),
         indexed_job(env),
         volcano(env, hostname),

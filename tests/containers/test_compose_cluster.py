@@ -140,7 +140,8 @@ def check_the_run_used_its_token(proc: subprocess.CompletedProcess, docker_clien
     for path in (state_dir / project).glob("*.log"):
         assert token not in path.read_text(errors="replace"), path
     assert token not in (state_dir / "current.json").read_text()
-    services = {"tcp": {"master", "worker"}, "mpi": {"launcher", "worker"}}.get(mode, {"worker"})
+    services = {"tcp": {"master", "worker"}, "mpi": {"launcher", "worker"},
+                "slurm": {"slurmctld", "worker"}}.get(mode, {"worker"})
     holders = set()
     for container in engine.project_containers(docker_client, project):
         attrs = container.attrs
@@ -187,7 +188,7 @@ def test_cluster_up_without_an_engine_says_so_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("env, words", [
-    ({"MODE": "bogus"}, "MODE=bogus: choose tcp, rank0, file, nfs or mpi"),
+    ({"MODE": "bogus"}, "MODE=bogus: choose tcp, rank0, file, nfs, mpi or slurm"),
     ({"NODES": "0"}, "NODES=0: a positive number"),
     ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE=two: a positive number"),
     ({"CLUSTER_TIMEOUT": "-5"}, "CLUSTER_TIMEOUT=-5"),

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 from .. import command
 from ..jobs import mpi_rank
 from ..command import ToolError
-from . import auth_token, engine, gpus, outcome, ssh_keys, state
+from . import auth_token, engine, gpus, outcome, slurm, ssh_keys, state
 from .config import LABEL, OWNER_LABEL, Settings, find_root, new_run_id, project_name
 
 PROG = "distlib cluster"
@@ -69,7 +69,8 @@ def _build_images(cfg: Settings, client) -> None:
             say(f"checking that {cfg.image} holds this working tree (docker/build-image.sh; seconds when it does)")
         except docker.errors.ImageNotFound:
             say(f"image {cfg.image} not found: building it with docker/build-image.sh (offline; minutes the first time)")
-        _run_script(cfg, cfg.root / "docker" / "build-image.sh", "build-image.log", f"building {cfg.image}",
+        script = slurm.BUILD_SCRIPT if cfg.mode == "slurm" else Path("docker") / "build-image.sh"
+        _run_script(cfg, cfg.root / script, "build-image.log", f"building {cfg.image}",
                     {"TARGET": "cuda"} if cfg.gpu else {})
     if cfg.mode == "nfs":
         _run_script(cfg, cfg.root / "compose" / "nfs" / "build-nfs-image.sh", "build-nfs-image.log",
@@ -184,7 +185,8 @@ def up(cfg: Settings) -> int:
     run, workers = _start(cfg, client, compose)
     # Whose exit ends the job: the workers, or in MODE=mpi the launcher (its mpirun), after which
     # the workers (sshd only) are stopped.
-    job = engine.project_containers(client, run.project, "launcher") if cfg.mode == "mpi" else workers
+    job = engine.project_containers(client, run.project, "launcher") if cfg.mode == "mpi" else \
+        engine.project_containers(client, run.project, slurm.CONTROLLER) if cfg.mode == "slurm" else workers
 
     follower = None if cfg.quiet else engine.LogFollower(job + [w for w in workers if w not in job], _LogPrinter())
     try:
@@ -199,7 +201,7 @@ def up(cfg: Settings) -> int:
     status = 0
     if not finished:
         say(f"the job ran past CLUSTER_TIMEOUT={cfg.timeout_s:g}s: stopping the " +
-            ("launcher" if cfg.mode == "mpi" else "workers"))
+            {"mpi": "launcher", "slurm": "controller"}.get(cfg.mode, "workers"))
         _stop(job)
         status = 124
     # Workers that ended before the job did died on their own (MODE=mpi: a worker's sshd and its
@@ -234,6 +236,8 @@ def _start(cfg: Settings, client, compose: engine.Compose):
         keys = ssh_keys.make(cfg.ssh_dir(run_id), f"mpirun@{project}", client, cfg.image)
         say(f"made this run's SSH key pair in {keys.directory} (the launcher gets the private key, the workers "
             "the public one; make cluster-down deletes it)")
+    if cfg.mode == "slurm":  # this cluster's munge key: slurmctld and every slurmd authenticate with it
+        say(f"made this cluster's munge key in {slurm.make_key(slurm.key_dir(run_dir))} (make cluster-down deletes it)")
     job = f"JOB {cfg.job!r} in {cfg.job_dir}" if cfg.job else f"job {cfg.job_module}"
     per = "process(es), one GPU each" if cfg.gpu else "process(es)"
     say(f"run {run_id}: {cfg.nodes} worker container(s) x {cfg.nproc_per_node} {per}, mode {cfg.mode}, "
@@ -267,6 +271,7 @@ _AUTH_HOLDERS = {
     "file": "every worker (the FileStore has no network: the token protects the ranks' listeners)",
     "nfs": "every worker (the FileStore has no network: the token protects the ranks' listeners)",
     "mpi": "the launcher and every worker (mpirun passes DISTLIB_AUTH_TOKEN_FILE on to the ranks)",
+    "slurm": "slurmctld and every worker (sbatch passes DISTLIB_AUTH_TOKEN_FILE on to the tasks)",
 }
 
 
@@ -290,7 +295,9 @@ def _conclude(cfg: Settings, run: state.Run, workers: List[Any], judged: List[An
             "and kept here); its output: make cluster-logs")
     else:
         say("no report was written (rank 0 did not get that far)")
-    blamed = _mpi_blame(workers, failures) if cfg.mode == "mpi" else None
+    blamed = _mpi_blame(workers, failures) if cfg.mode == "mpi" else \
+        slurm.blame(next((f.log for f in failures if f.name.endswith(slurm.CONTROLLER_SUFFIXES)), "")) \
+        if cfg.mode == "slurm" else None
     if blamed:
         say(f"FAILED: {blamed} (the first failure)")
     for i, failure in enumerate(failures):
@@ -390,6 +397,7 @@ def down(cfg: Settings, quiet_if_none: bool = False) -> int:
         ssh_keys.remove(keys)
     for token in cfg.state_dir.glob("*/auth"):  # the runs' tokens, likewise
         auth_token.remove(token)
+    slurm.remove_keys(cfg.state_dir)  # MODE=slurm munge keys, likewise
     owner = f"{OWNER_LABEL}={cfg.owner}"
     left = engine.labelled(client, owner)
     if any(left.values()):  # what a killed `up` or a lost record left behind
@@ -476,8 +484,9 @@ def config(cfg: Settings) -> int:
 
 VARIABLES = """\
 environment (the Makefile's variables):
-  MODE            tcp (default) | rank0 | file | nfs | mpi: how the ranks meet (docs/cluster.md);
-                  mpi: mpirun in a launcher container, over SSH into the workers
+  MODE            tcp (default) | rank0 | file | nfs | mpi | slurm: how the ranks meet (docs/cluster.md);
+                  mpi: mpirun in a launcher container, over SSH into the workers; slurm: a real Slurm
+                  cluster (slurmctld + slurmd workers, image distlib:slurm), the job by sbatch/srun
   NODES           worker containers (default 4), each its own host
   NPROC_PER_NODE  processes per worker container (default 1; with GPU=1 one GPU each)
   AUTH            1 (default): a new random token per run; the master service, rank 0's store and every

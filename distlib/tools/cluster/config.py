@@ -19,9 +19,10 @@ from distlib import settings
 
 from ..command import ToolError
 from ..jobs.compose_node import DEFAULT_JOB_MODULE, job_program
+from . import slurm
 from .auth_token import TOKEN_FILE
 
-MODES = ("tcp", "rank0", "file", "nfs", "mpi")
+MODES = ("tcp", "rank0", "file", "nfs", "mpi", "slurm")
 DEFAULT_IMAGE = "distlib:cpu"
 #: GPU=1's image: what `make image-gpu` builds (docker/Dockerfile, target cuda).
 DEFAULT_GPU_IMAGE = "distlib:cuda"
@@ -118,11 +119,14 @@ class Settings:
         except ValueError as exc:
             raise ToolError(str(exc), 2) from None
         state_dir = Path(env.get("CLUSTER_STATE_DIR", "").strip() or root / ".build" / "cluster").absolute()
+        default_image = DEFAULT_GPU_IMAGE if gpu else slurm.DEFAULT_IMAGE if mode == "slurm" else DEFAULT_IMAGE
+        if mode == "slurm":
+            slurm.check(gpu)
         made = cls(
             root=root, mode=mode,
             nodes=_positive_int(env, "NODES", DEFAULT_NODES, "a positive number of worker containers"),
             nproc_per_node=_positive_int(env, "NPROC_PER_NODE", 1, "a positive number of processes per container"),
-            image=env.get("IMAGE", "").strip() or (DEFAULT_GPU_IMAGE if gpu else DEFAULT_IMAGE), gpu=gpu,
+            image=env.get("IMAGE", "").strip() or default_image, gpu=gpu,
             auth=auth, skip_build=skip_build, quiet=quiet,
             job=env.get("JOB", "").strip(), job_dir=env.get("JOB_DIR", "").strip(),
             job_args=env.get("JOB_ARGS", ""), job_module=env.get("JOB_MODULE", "").strip() or DEFAULT_JOB_MODULE,
@@ -177,6 +181,8 @@ class Settings:
                 files.append(d / "auth-master.yml")
             if self.mode == "mpi":
                 files.append(d / "auth-launcher.yml")
+        if self.mode == "slurm":
+            files += slurm.compose_files(d, self.auth)
         return [str(f) for f in files]
 
     def ssh_dir(self, run_id: str) -> Path:
@@ -196,6 +202,8 @@ class Settings:
             out["JOB_DIR"] = self.job_dir
         if self.mode == "mpi":
             out["MPI_SSH_DIR"] = str(self.ssh_dir(run_id))
+        if self.mode == "slurm":
+            out.update(slurm.compose_variables(self.state_dir / project_name(run_id), self.job))
         if self.auth:  # the file's path only: the token itself is in no variable
             out["AUTH_TOKEN_FILE"] = str(self.auth_dir(run_id) / TOKEN_FILE)
         if self.nfs_server:
