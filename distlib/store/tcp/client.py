@@ -49,12 +49,11 @@ import time
 import weakref
 from datetime import timedelta
 from functools import partial
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from ...busy_poll import BusyPoll
 from ...deadline import Deadline, TimeoutLike, format_duration
 from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
-from ...net import bind_for_clients
 from ...tls import TlsSocket
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
 from . import codec
@@ -74,8 +73,8 @@ from .codec import (
 )
 from .connect import describe_socket, format_endpoint
 from .handshake import CLOSED_TEXT, open_connection
+from .in_process import InProcessServer, start_server
 from .security import StoreSecurity
-from .server import StoreServer
 
 log = logging.getLogger("distlib.store.tcp.client")
 
@@ -105,81 +104,6 @@ _SET, _GET, _ADD, _CHECK, _CAS = int(Op.SET), int(Op.GET), int(Op.ADD), int(Op.C
 
 class _WaitTimedOut(Exception):
     """Internal: the reply to a WAIT did not come within the wait's timeout."""
-
-
-# -- servers owned by TCPStore objects in this process ---------------------------------------
-
-
-class _ServerHandle:
-    """A running in-process server and how many TCPStore objects own it.
-
-    torch's ``multi_tenant=True`` shares one server per port within a process; the server
-    stops when the last TCPStore that owns it is gone.
-    """
-
-    def __init__(self, server: StoreServer, multi_tenant: bool):
-        self.server = server
-        self.multi_tenant = multi_tenant
-        self.owners = 0
-        self.lock = threading.Lock()
-
-    def acquire(self) -> None:
-        with self.lock:
-            self.owners += 1
-
-    def release(self) -> None:
-        with self.lock:
-            self.owners -= 1
-            last = self.owners == 0
-        if last:
-            with _TENANTS_LOCK:
-                if _TENANTS.get(self.server.port) is self:
-                    del _TENANTS[self.server.port]
-            self.server.stop()
-
-
-_TENANTS: Dict[int, _ServerHandle] = {}
-_TENANTS_LOCK = threading.Lock()
-
-
-def _agent_store_tolerates_bind_failure(port: int) -> bool:
-    """torch's rule: a master whose bind fails becomes a plain client when
-    TORCHELASTIC_USE_AGENT_STORE is truthy and MASTER_PORT names this port."""
-    flag = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
-    return flag in ("1", "true", "yes") and os.environ.get("MASTER_PORT", "").strip() == str(port)
-
-
-def _start_server(host: str, port: int, multi_tenant: bool, master_listen_fd: Optional[int],
-                  security: StoreSecurity) -> Optional[_ServerHandle]:
-    """The master's server: on ``host``'s address only (net.bind_for_clients; torch listens on
-    every interface), with the job's security settings."""
-    if multi_tenant and port != 0:
-        with _TENANTS_LOCK:
-            handle = _TENANTS.get(port)
-            if handle is not None and handle.server.running:
-                handle.acquire()
-                return handle
-    if master_listen_fd is not None:
-        sock = socket.socket(fileno=int(master_listen_fd))
-        bound = sock.getsockname()[1]
-        if port and bound != port:
-            raise DistNetworkError(f"master_listen_fd {master_listen_fd} is bound to port {bound}, not to port {port}")
-        sock.listen(4096)
-    else:
-        try:
-            sock = bind_for_clients(host, port)
-        except DistNetworkError:
-            if _agent_store_tolerates_bind_failure(port):
-                log.info("port %d is taken and TORCHELASTIC_USE_AGENT_STORE is set: using the server already there", port)
-                return None
-            raise
-    server = StoreServer(listen_sock=sock, security=security)
-    handle = _ServerHandle(server.start(f"distlib-store-server:{sock.getsockname()[1]}"), multi_tenant)
-    handle.acquire()
-    if multi_tenant:
-        with _TENANTS_LOCK:
-            _TENANTS[handle.server.port] = handle
-    return handle
 
 
 def _close_socket(sock: socket.socket) -> None:
@@ -234,12 +158,12 @@ class TCPStore(Store):
         self._poller: Optional[select.poll] = None
         self._local_ip: Optional[str] = None  # set while connected over the same-host socket
         self._ordered = False
-        self._server: Optional[_ServerHandle] = None
+        self._server: Optional[InProcessServer] = None
         self._server_finalizer: Optional[weakref.finalize] = None
         deadline = Deadline(self._timeout_s)
 
         if is_master:
-            self._server = _start_server(host_name, port, multi_tenant, master_listen_fd, self._security)
+            self._server = start_server(host_name, port, multi_tenant, master_listen_fd, self._security)
             if self._server is not None:
                 port = self._server.server.port
                 self._server_finalizer = weakref.finalize(self, self._server.release)
