@@ -57,20 +57,7 @@ from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
 from ...tls import TlsSocket
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
 from . import codec
-from .codec import (
-    I64,
-    MAX_KEY_BYTES,
-    MAX_VALUE_BYTES,
-    OP_U64,
-    OP_U64_U64,
-    READY,
-    STOP_WAITING,
-    U32,
-    U64,
-    WAIT_CANCELED,
-    WORKER_COUNTER_KEY,
-    Op,
-)
+from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WAIT_CANCELED, WORKER_COUNTER_KEY
 from .connect import describe_socket, format_endpoint
 from .handshake import CLOSED_TEXT, open_connection
 from .in_process import InProcessServer, start_server
@@ -91,15 +78,14 @@ _RECV_SIZE = 65536
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 
-_WAIT = int(Op.WAIT)
 _u64 = U64.unpack_from
 _i64 = I64.unpack_from
-# Request headers of the hot paths, packed in one call (the layouts are codec.py's).
-_OP_LEN = OP_U64.pack  # opcode, u64 length of the key that follows
-_WAIT_ONE = OP_U64_U64.pack  # WAIT or CHECK, u64 count 1, u64 length of the key
-_pack_u64 = U64.pack
-_pack_i64 = I64.pack
-_SET, _GET, _ADD, _CHECK, _CAS = int(Op.SET), int(Op.GET), int(Op.ADD), int(Op.CHECK), int(Op.COMPARE_SET)
+# The requests of the hot paths, bound once (every request is built by codec.py's encoders).
+_encode_set = codec.set_
+_encode_wait_then_get = codec.wait_then_get
+_encode_add = codec.add
+_encode_check = codec.check
+_encode_wait = codec.wait
 
 
 class _WaitTimedOut(Exception):
@@ -410,7 +396,7 @@ class TCPStore(Store):
 
     def _cancel_timed_out_wait(self, what: str, held_reply: Optional[Callable[[], object]]):
         """The wait's time is up: CANCEL_WAIT, then torch's two-byte race (_await_wait)."""
-        self._send(codec.bare_request(Op.CANCEL_WAIT))
+        self._send(codec.cancel_wait())
         code = self._read_u8(f"CANCEL_WAIT after {what}")
         if code == STOP_WAITING:
             held = held_reply() if held_reply else None
@@ -453,9 +439,9 @@ class TCPStore(Store):
 
     # -- the Store API ---------------------------------------------------------------------------
 
-    # The hot paths (set, get, add, check, compare_set, wait) build their requests with one
-    # struct call and read short replies straight from the buffer; the bytes are
-    # codec.py's (tests/store/test_tcp_store.py pins them).
+    # Every request is built by codec.py's encoders (tests/store/test_tcp_store.py pins the
+    # bytes); the hot paths (set, get, add, check, compare_set, wait) read short replies
+    # straight from the buffer.
 
     def set(self, key: str, value: ValueLike) -> None:
         if type(key) is not str:
@@ -463,10 +449,9 @@ class TCPStore(Store):
         wire = ("/" + key).encode()
         if type(value) is not bytes:
             value = to_bytes(value)
-        n, m = len(wire), len(value)
-        if n > MAX_KEY_BYTES or m > MAX_VALUE_BYTES:
+        if len(wire) > MAX_KEY_BYTES or len(value) > MAX_VALUE_BYTES:
             self._wire(key), self._value(value)  # raise with the usual text
-        data = _OP_LEN(_SET, n) + wire + _pack_u64(m) + value
+        data = _encode_set(wire, value)
         with self._lock:
             self._send(data)
 
@@ -476,8 +461,7 @@ class TCPStore(Store):
         with self._lock:
             if not self._ordered:
                 return self._get_from_torch_server(wire, seconds)
-            n = len(wire)
-            self._send(_WAIT_ONE(_WAIT, 1, n) + wire + _OP_LEN(_GET, n) + wire)
+            self._send(_encode_wait_then_get(wire))
             buf = self._rbuf
             if not buf:
                 try:
@@ -503,7 +487,7 @@ class TCPStore(Store):
         does not exist (a compare_set that changed nothing); an empty value is re-checked."""
         deadline = Deadline(seconds)
         while True:
-            self._send(codec.keys_request(_WAIT, [wire]))
+            self._send(_encode_wait((wire,)))
             done, _ = self._await_wait(deadline.remaining(), "WAIT")
             if not done:
                 raise self._timeout_error([wire], seconds)
@@ -511,13 +495,13 @@ class TCPStore(Store):
             value = self._read_blob("GET")
             if value:
                 return value
-            self._send(codec.keys_request(Op.CHECK, [wire]))
+            self._send(_encode_check((wire,)))
             if self._read_u8("CHECK") == READY:
                 return value
 
     def add(self, key: str, amount: int) -> int:
         wire = self._wire(key)
-        data = _OP_LEN(_ADD, len(wire)) + wire + _pack_i64(int(amount))
+        data = _encode_add(wire, int(amount))
         with self._lock:
             self._send(data)
             return self._read_i64("ADD")
@@ -526,18 +510,13 @@ class TCPStore(Store):
         wire = self._wire(key)
         expected = self._value(expected_value, "expected_value")
         desired = self._value(desired_value, "desired_value")
-        data = (_OP_LEN(_CAS, len(wire)) + wire + _pack_u64(len(expected)) + expected
-                + _pack_u64(len(desired)) + desired)
+        data = codec.compare_set(wire, expected, desired)
         with self._lock:
             self._send(data)
             return self._read_blob("COMPARE_SET")
 
     def check(self, keys: List[str]) -> bool:
-        wires = self._wires(keys)
-        if len(wires) == 1:
-            data = _WAIT_ONE(_CHECK, 1, len(wires[0])) + wires[0]
-        else:
-            data = codec.keys_request(Op.CHECK, wires)
+        data = _encode_check(self._wires(keys))
         with self._lock:
             self._send(data)
             return self._read_u8("CHECK") == READY
@@ -545,10 +524,7 @@ class TCPStore(Store):
     def wait(self, keys: List[str], timeout: Optional[TimeoutLike] = None) -> None:
         wires = self._wires(keys)
         seconds = self._wait_seconds(timeout) if timeout is not None else self._timeout_s
-        if len(wires) == 1:
-            data = _WAIT_ONE(_WAIT, 1, len(wires[0])) + wires[0]
-        else:
-            data = codec.keys_request(Op.WAIT, wires)
+        data = _encode_wait(wires)
         with self._lock:
             self._send(data)
             done, _ = self._await_wait(seconds, "WAIT")
@@ -556,21 +532,21 @@ class TCPStore(Store):
             raise self._timeout_error(wires, seconds)
 
     def delete_key(self, key: str) -> bool:
-        data = codec.key_request(Op.DELETE_KEY, self._wire(key))
+        data = codec.delete_key(self._wire(key))
         with self._lock:
             self._send(data)
             return self._read_i64("DELETE_KEY") == 1
 
     def num_keys(self) -> int:
         with self._lock:
-            self._send(codec.bare_request(Op.GETNUMKEYS))
+            self._send(codec.getnumkeys())
             return self._read_i64("GETNUMKEYS")
 
     def has_extended_api(self) -> bool:
         return True
 
     def append(self, key: str, value: ValueLike) -> None:
-        data = codec.key_value_request(Op.APPEND, self._wire(key), self._value(value))
+        data = codec.append(self._wire(key), self._value(value))
         with self._lock:
             self._send(data)
 
@@ -583,16 +559,16 @@ class TCPStore(Store):
 
         with self._lock:
             if self._ordered:
-                self._send(codec.keys_request(_WAIT, wires) + codec.keys_request(Op.MULTI_GET, wires))
+                self._send(codec.wait(wires) + codec.multi_get(wires))
                 done, values = self._await_wait(seconds, "MULTI_GET", read_values)
                 if not done:
                     raise self._timeout_error(wires, seconds)
                 return values
-            self._send(codec.keys_request(_WAIT, wires))
+            self._send(codec.wait(wires))
             done, _ = self._await_wait(seconds, "WAIT")
             if not done:
                 raise self._timeout_error(wires, seconds)
-            self._send(codec.keys_request(Op.MULTI_GET, wires))
+            self._send(codec.multi_get(wires))
             return read_values()
 
     def multi_set(self, keys: List[str], values: List[ValueLike]) -> None:
@@ -611,7 +587,7 @@ class TCPStore(Store):
 
     def queue_push(self, key: str, value: ValueLike) -> None:
         self._require_queues()
-        data = codec.key_value_request(Op.QUEUE_PUSH, self._wire(key), self._value(value))
+        data = codec.queue_push(self._wire(key), self._value(value))
         with self._lock:
             self._send(data)
 
@@ -620,11 +596,11 @@ class TCPStore(Store):
         wire = self._wire(key)
         with self._lock:
             if block:
-                self._send(codec.keys_request(_WAIT, [wire]))
+                self._send(codec.wait((wire,)))
                 done, _ = self._await_wait(self._timeout_s, "WAIT")
                 if not done:
                     raise self._timeout_error([wire], self._timeout_s)
-            self._send(codec.key_request(Op.QUEUE_POP, wire))
+            self._send(codec.queue_pop(wire))
             length = self._read_i64("QUEUE_POP")
             if length <= 0:
                 raise QueueEmptyError("queue is empty")
@@ -632,7 +608,7 @@ class TCPStore(Store):
 
     def queue_len(self, key: str) -> int:
         self._require_queues()
-        data = codec.key_request(Op.QUEUE_LEN, self._wire(key))
+        data = codec.queue_len(self._wire(key))
         with self._lock:
             self._send(data)
             return self._read_i64("QUEUE_LEN")
@@ -640,7 +616,7 @@ class TCPStore(Store):
     def list_keys(self) -> List[str]:
         """User keys (those a torch client wrote with its leading slash), slash removed."""
         with self._lock:
-            self._send(codec.bare_request(Op.LIST_KEYS))
+            self._send(codec.list_keys())
             count = self._read_i64("LIST_KEYS")
             raw = [self._read_blob("LIST_KEYS") for _ in range(count)]
         return [k[1:].decode("utf-8", "replace") for k in raw if k.startswith(b"/")]
