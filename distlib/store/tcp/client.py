@@ -34,6 +34,17 @@ What it does beyond torch, and why:
   answering is reported, naming the operation and the server, instead of hanging.
 * The master waits for its workers on a condition the in-process server signals, not by
   polling every 10 ms; its timeout error lists where the workers that did join came from.
+* **In-process clients keep the server's order.** A client whose server runs on a thread of
+  this process (``TCPStore(is_master=True)``'s handle, its clones; in_process.py) follows
+  each request that has no reply (set, append, multi_set, queue_push) with a PING in the
+  same write, and reads the echo before its next request. Why: that server thread waits
+  for this interpreter, so it can still hold the handle's SET unread when another client's
+  request arrives; the handle's next request then joins the SET in one read and runs ahead
+  of a request the server had already received (a torch client's APPEND, then the master's
+  GET, read the old value). torch's server thread needs no interpreter and never lags so;
+  with the echo read first, the next request reaches the server after everything it had
+  received, as it does there. The price: a stream of sets from the master handle pays a
+  round trip per set (docs/performance-log.md). Such a client does not busy-poll either.
 * A zero timeout means "do not wait", as torch's TCPStore reads it.
 * Every error names the server (host:port).
 """
@@ -60,7 +71,7 @@ from . import codec
 from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WAIT_CANCELED, WORKER_COUNTER_KEY
 from .connect import describe_socket, format_endpoint
 from .handshake import CLOSED_TEXT, open_connection
-from .in_process import InProcessServer, start_server
+from .in_process import InProcessServer, serves_here, start_server
 from .security import StoreSecurity
 
 log = logging.getLogger("distlib.store.tcp.client")
@@ -73,6 +84,14 @@ MIN_REPLY_DEADLINE = 30.0
 
 #: How long a client polls for a reply before blocking (busy_poll.py; see _recv).
 SPIN_S = 100e-6
+
+#: The nonce of the PING an in-process client sends after a request without reply (see the
+#: module docstring); any value would do, this one reads as "confirm" in a dump.
+CONFIRM_NONCE = 0xC0F1_12ED
+_CONFIRM_REQUEST = codec.ping(CONFIRM_NONCE)
+#: Up to this size a request without reply and its PING go out as one write (one copy of the
+#: request); a larger request is sent as it is, and the PING after it.
+_CONFIRM_JOIN_MAX = 65536
 
 _RECV_SIZE = 65536
 _POLLIN = select.POLLIN
@@ -139,11 +158,12 @@ class TCPStore(Store):
         self._sock: Optional[socket.socket] = None
         self._rbuf = bytearray()
         self._broken: Optional[str] = None
-        self._busy_poll = BusyPoll(SPIN_S, backoff=True)
+        self._busy_poll: Optional[BusyPoll] = None  # set once the port is known (below)
         self._recv_probe: Optional[Callable[[], bytes]] = None  # a non-blocking recv, once connected
         self._poller: Optional[select.poll] = None
         self._local_ip: Optional[str] = None  # set while connected over the same-host socket
         self._ordered = False
+        self._unconfirmed: Optional[str] = None  # the request whose PING echo is still to be read
         self._server: Optional[InProcessServer] = None
         self._server_finalizer: Optional[weakref.finalize] = None
         deadline = Deadline(self._timeout_s)
@@ -154,6 +174,11 @@ class TCPStore(Store):
                 port = self._server.server.port
                 self._server_finalizer = weakref.finalize(self, self._server.release)
         self._port = port
+        # The server on this port runs on a thread of this process: confirm requests
+        # without reply (module docstring, "in-process clients"), and never spin for a reply:
+        # the spinning thread would keep the interpreter that server thread needs to answer.
+        self._in_process = serves_here(port)
+        self._busy_poll = BusyPoll(0.0 if self._in_process else SPIN_S, backoff=True)
         self._connect(deadline)
         self._finalizer = weakref.finalize(self, _close_socket, self._sock)
 
@@ -256,6 +281,8 @@ class TCPStore(Store):
     def _send(self, data: bytes) -> None:
         if self._broken is not None:
             raise DistNetworkError(self._broken)
+        if self._unconfirmed is not None:
+            self._read_confirmation()
         try:
             sent = self._sock.send(data)
         except BlockingIOError:
@@ -264,6 +291,31 @@ class TCPStore(Store):
             raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
         if sent < len(data):
             self._send_rest(memoryview(data)[sent:])
+
+    def _send_unanswered(self, data: bytes, what: str) -> None:
+        """Send a request the server does not answer (``what``: SET, APPEND, MULTI_SET,
+        QUEUE_PUSH); an in-process client sends a PING after it, whose echo ``_send`` reads
+        before the next request (the module docstring, "in-process clients")."""
+        if not self._in_process:
+            self._send(data)
+            return
+        if len(data) <= _CONFIRM_JOIN_MAX:
+            self._send(data + _CONFIRM_REQUEST)
+        else:
+            self._send(data)
+            self._send(_CONFIRM_REQUEST)
+        self._unconfirmed = what
+
+    def _read_confirmation(self) -> None:
+        """Read the echo of the PING that followed an in-process client's last request
+        without reply: the server has then read that request, and everything that reached
+        it before the request, and run them."""
+        what = f"PING after {self._unconfirmed}"
+        self._unconfirmed = None
+        echo = U32.unpack(self._read(4, what))[0]
+        if echo != CONFIRM_NONCE:
+            raise self._fail(f"{self.describe()} answered {what} with {echo:#x} instead of its nonce "
+                             f"{CONFIRM_NONCE:#x}; the connection is no longer usable")
 
     def _send_rest(self, data: memoryview) -> None:
         """The kernel took part of a request (a large value, or a server that reads slowly):
@@ -453,7 +505,7 @@ class TCPStore(Store):
             self._wire(key), self._value(value)  # raise with the usual text
         data = _encode_set(wire, value)
         with self._lock:
-            self._send(data)
+            self._send_unanswered(data, "SET")
 
     def get(self, key: str) -> bytes:
         wire = self._wire(key)
@@ -548,7 +600,7 @@ class TCPStore(Store):
     def append(self, key: str, value: ValueLike) -> None:
         data = codec.append(self._wire(key), self._value(value))
         with self._lock:
-            self._send(data)
+            self._send_unanswered(data, "APPEND")
 
     def multi_get(self, keys: List[str]) -> List[bytes]:
         wires = self._wires(keys)
@@ -579,7 +631,7 @@ class TCPStore(Store):
                 f"multiSet keys and values vectors must be of same size ({len(wires)} keys, {len(values)} values)")
         data = codec.multi_set(wires, [self._value(v) for v in values])
         with self._lock:
-            self._send(data)
+            self._send_unanswered(data, "MULTI_SET")
 
     def _require_queues(self) -> None:
         if not self._use_libuv:
@@ -589,7 +641,7 @@ class TCPStore(Store):
         self._require_queues()
         data = codec.queue_push(self._wire(key), self._value(value))
         with self._lock:
-            self._send(data)
+            self._send_unanswered(data, "QUEUE_PUSH")
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         self._require_queues()

@@ -3,7 +3,10 @@
 ``TCPStore(is_master=True)`` starts a ``StoreServer`` on a daemon thread, as torch starts its
 server thread. This module starts it (binding as torch binds, or taking over
 ``master_listen_fd``), keeps torch's ``multi_tenant=True`` rule — one server per port within a
-process, shared by the masters that ask for it and stopped when the last of them is gone.
+process, shared by the masters that ask for it and stopped when the last of them is gone —
+and knows which ports such a server serves, so that a client of this process can tell that
+its server shares its interpreter (client.py: such a client confirms its unanswered requests,
+see ``TCPStore`` "in-process clients").
 
 Kept apart from client.py because it is a different job: the client speaks the protocol, this
 module owns server threads.
@@ -51,12 +54,27 @@ class InProcessServer:
             with _LOCK:
                 if _TENANTS.get(self.server.port) is self:
                     del _TENANTS[self.server.port]
+                if _RUNNING.get(self.server.port) is self:
+                    del _RUNNING[self.server.port]
             self.server.stop()
 
 
 #: multi_tenant servers by port: the ones a later multi_tenant master on that port joins.
 _TENANTS: Dict[int, InProcessServer] = {}
+#: every in-process server by port (serves_here).
+_RUNNING: Dict[int, InProcessServer] = {}
 _LOCK = threading.Lock()
+
+
+def serves_here(port: int) -> bool:
+    """True when a server on a thread of this process listens on ``port``.
+
+    A client that connects to such a port most likely talks to that server (another host's
+    server on the same port number is possible; treating it as in-process costs only the
+    confirmations client.py then sends).
+    """
+    handle = _RUNNING.get(port)
+    return handle is not None and handle.server.running
 
 
 def agent_store_tolerates_bind_failure(port: int) -> bool:
@@ -102,7 +120,8 @@ def start_server(host: str, port: int, multi_tenant: bool, master_listen_fd: Opt
     server = StoreServer(listen_sock=sock, security=security)
     handle = InProcessServer(server.start(f"distlib-store-server:{sock.getsockname()[1]}"), multi_tenant)
     handle.acquire()
-    if multi_tenant:
-        with _LOCK:
+    with _LOCK:
+        _RUNNING[handle.server.port] = handle
+        if multi_tenant:
             _TENANTS[handle.server.port] = handle
     return handle
