@@ -24,27 +24,16 @@ What it does beyond torch, and why:
   server prove the token to each other before any request; with ``DISTLIB_TLS_CA`` the TCP
   connection is TLS and the server's certificate is checked. Without either, the bytes are
   torch's.
-* Replies are polled for, not blocked on at once: a short busy-poll (``SPIN_S``, 100 us;
-  off when it would take a CPU another task needs, and backing off while replies miss it;
-  distlib/busy_poll.py), then poll(2) with the deadline. The socket
-  stays non-blocking, so no call pays for switching modes or timeouts.
+* Replies are polled for (a short busy-poll, then poll(2)), each with a deadline, over a
+  non-blocking socket (client_channel.py).
 * Connecting retries with backoff until the timeout and then fails naming host:port and
   what went wrong (connect.py); a port where something accepts and stays silent is named as
-  another service. Every reply is read with a deadline: a server that stops
-  answering is reported, naming the operation and the server, instead of hanging.
+  another service.
 * The master waits for its workers on a condition the in-process server signals, not by
   polling every 10 ms; its timeout error lists where the workers that did join came from.
-* **In-process clients keep the server's order.** A client whose server runs on a thread of
-  this process (``TCPStore(is_master=True)``'s handle, its clones; in_process.py) follows
-  each request that has no reply (set, append, multi_set, queue_push) with a PING in the
-  same write, and reads the echo before its next request. Why: that server thread waits
-  for this interpreter, so it can still hold the handle's SET unread when another client's
-  request arrives; the handle's next request then joins the SET in one read and runs ahead
-  of a request the server had already received (a torch client's APPEND, then the master's
-  GET, read the old value). torch's server thread needs no interpreter and never lags so;
-  with the echo read first, the next request reaches the server after everything it had
-  received, as it does there. The price: a stream of sets from the master handle pays a
-  round trip per set (docs/performance-log.md). Such a client does not busy-poll either.
+* **In-process clients keep the server's order**: a client whose server runs on a thread of
+  this process confirms each request without reply with a PING before its next request
+  (client_channel.py says why).
 * A zero timeout means "do not wait", as torch's TCPStore reads it.
 * Every error names the server (host:port).
 """
@@ -53,49 +42,24 @@ from __future__ import annotations
 
 import logging
 import os
-import select
-import socket
 import threading
-import time
 import weakref
 from datetime import timedelta
-from functools import partial
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-from ...busy_poll import BusyPoll
 from ...deadline import Deadline, TimeoutLike, format_duration
-from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
+from ...errors import DistStoreError, QueueEmptyError
 from ...tls import TlsSocket
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
 from . import codec
-from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WAIT_CANCELED, WORKER_COUNTER_KEY
+from .client_channel import RequestChannel, WaitTimedOut, close_socket
+from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WORKER_COUNTER_KEY
 from .connect import describe_socket, format_endpoint
-from .handshake import CLOSED_TEXT, open_connection
+from .handshake import open_connection
 from .in_process import InProcessServer, serves_here, start_server
 from .security import StoreSecurity
 
 log = logging.getLogger("distlib.store.tcp.client")
-
-_CLOSED_TEXT = CLOSED_TEXT
-
-#: Replies to requests that do not wait (SET, ADD, GET after its WAIT, ...) come at once from a
-#: healthy server; one that has not answered after max(store timeout, this) is reported dead.
-MIN_REPLY_DEADLINE = 30.0
-
-#: How long a client polls for a reply before blocking (busy_poll.py; see _recv).
-SPIN_S = 100e-6
-
-#: The nonce of the PING an in-process client sends after a request without reply (see the
-#: module docstring); any value would do, this one reads as "confirm" in a dump.
-CONFIRM_NONCE = 0xC0F1_12ED
-_CONFIRM_REQUEST = codec.ping(CONFIRM_NONCE)
-#: Up to this size a request without reply and its PING go out as one write (one copy of the
-#: request); a larger request is sent as it is, and the PING after it.
-_CONFIRM_JOIN_MAX = 65536
-
-_RECV_SIZE = 65536
-_POLLIN = select.POLLIN
-_POLLOUT = select.POLLOUT
 
 _u64 = U64.unpack_from
 _i64 = I64.unpack_from
@@ -107,21 +71,10 @@ _encode_check = codec.check
 _encode_wait = codec.wait
 
 
-class _WaitTimedOut(Exception):
-    """Internal: the reply to a WAIT did not come within the wait's timeout."""
-
-
-def _close_socket(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
-
-
 # -- the client --------------------------------------------------------------------------------
 
 
-class TCPStore(Store):
+class TCPStore(RequestChannel, Store):
     """A store served over TCP by a master (torch.distributed.TCPStore)."""
 
     def __init__(
@@ -155,15 +108,8 @@ class TCPStore(Store):
         self._use_libuv = bool(use_libuv)
         self._world_size = world_size
         self._lock = threading.Lock()
-        self._sock: Optional[socket.socket] = None
-        self._rbuf = bytearray()
-        self._broken: Optional[str] = None
-        self._busy_poll: Optional[BusyPoll] = None  # set once the port is known (below)
-        self._recv_probe: Optional[Callable[[], bytes]] = None  # a non-blocking recv, once connected
-        self._poller: Optional[select.poll] = None
         self._local_ip: Optional[str] = None  # set while connected over the same-host socket
         self._ordered = False
-        self._unconfirmed: Optional[str] = None  # the request whose PING echo is still to be read
         self._server: Optional[InProcessServer] = None
         self._server_finalizer: Optional[weakref.finalize] = None
         deadline = Deadline(self._timeout_s)
@@ -174,13 +120,9 @@ class TCPStore(Store):
                 port = self._server.server.port
                 self._server_finalizer = weakref.finalize(self, self._server.release)
         self._port = port
-        # The server on this port runs on a thread of this process: confirm requests
-        # without reply (module docstring, "in-process clients"), and never spin for a reply:
-        # the spinning thread would keep the interpreter that server thread needs to answer.
-        self._in_process = serves_here(port)
-        self._busy_poll = BusyPoll(0.0 if self._in_process else SPIN_S, backoff=True)
+        self._init_channel(in_process=serves_here(port))  # its server on a thread of this process?
         self._connect(deadline)
-        self._finalizer = weakref.finalize(self, _close_socket, self._sock)
+        self._finalizer = weakref.finalize(self, close_socket, self._sock)
 
         if world_size is not None and wait_for_workers:
             with self._lock:
@@ -238,18 +180,10 @@ class TCPStore(Store):
         sock = opened.sock
         self._local_ip = opened.local_ip
         self._ordered = opened.ordered
-        # From here on the socket is non-blocking for good: replies are polled for (spin,
-        # then poll(2) with the deadline), with no per-call timeout or blocking-mode syscalls.
         sock.setblocking(False)
         if opened.tls:
             sock = TlsSocket(sock, drain=False)  # poll(2) is level-triggered: no read to prove "drained"
-        poller = select.poll()
-        poller.register(sock.fileno(), _POLLIN)
-        self._poller = poller
-        self._sock = sock
-        self._recv_probe = partial(sock.recv, _RECV_SIZE)
-        self._rbuf = bytearray()
-        self._broken = None
+        self._attach(sock)
 
     def _wait_for_workers(self, world_size: int, joined: int, deadline: Deadline) -> None:
         server = self._server.server
@@ -271,195 +205,6 @@ class TCPStore(Store):
             self._finalizer()
             if self._server_finalizer is not None:
                 self._server_finalizer()
-
-    # -- I/O helpers -----------------------------------------------------------------------------
-
-    def _fail(self, text: str) -> DistNetworkError:
-        self._broken = text
-        return DistNetworkError(text)
-
-    def _send(self, data: bytes) -> None:
-        if self._broken is not None:
-            raise DistNetworkError(self._broken)
-        if self._unconfirmed is not None:
-            self._read_confirmation()
-        try:
-            sent = self._sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
-        if sent < len(data):
-            self._send_rest(memoryview(data)[sent:])
-
-    def _send_unanswered(self, data: bytes, what: str) -> None:
-        """Send a request the server does not answer (``what``: SET, APPEND, MULTI_SET,
-        QUEUE_PUSH); an in-process client sends a PING after it, whose echo ``_send`` reads
-        before the next request (the module docstring, "in-process clients")."""
-        if not self._in_process:
-            self._send(data)
-            return
-        if len(data) <= _CONFIRM_JOIN_MAX:
-            self._send(data + _CONFIRM_REQUEST)
-        else:
-            self._send(data)
-            self._send(_CONFIRM_REQUEST)
-        self._unconfirmed = what
-
-    def _read_confirmation(self) -> None:
-        """Read the echo of the PING that followed an in-process client's last request
-        without reply: the server has then read that request, and everything that reached
-        it before the request, and run them."""
-        what = f"PING after {self._unconfirmed}"
-        self._unconfirmed = None
-        echo = U32.unpack(self._read(4, what))[0]
-        if echo != CONFIRM_NONCE:
-            raise self._fail(f"{self.describe()} answered {what} with {echo:#x} instead of its nonce "
-                             f"{CONFIRM_NONCE:#x}; the connection is no longer usable")
-
-    def _send_rest(self, data: memoryview) -> None:
-        """The kernel took part of a request (a large value, or a server that reads slowly):
-        send the rest as the socket drains, giving up after the reply deadline."""
-        limit = max(self._timeout_s, MIN_REPLY_DEADLINE)
-        deadline = time.monotonic() + limit
-        poller = select.poll()
-        poller.register(self._sock.fileno(), _POLLOUT)
-        while data:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise self._fail(
-                    f"{self.describe()} did not take a request within {format_duration(limit)} "
-                    f"(the store timeout); the connection is no longer usable")
-            poller.poll(max(1, int(left * 1000)))
-            try:
-                sent = self._sock.send(data)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
-            data = data[sent:]
-
-    def _recv(self, what: str, timeout: Optional[float]) -> None:
-        """Append at least one byte to the read buffer; _WaitTimedOut after ``timeout``
-        (None: a reply that must come at once, given max(store timeout, 30 s)).
-
-        Busy-polling first (distlib/busy_poll.py): read the socket without sleeping for up
-        to ``SPIN_S``. On a VM whose idle vCPUs halt, a blocking read costs a ~100 us
-        wake-up per round trip; a reply from a healthy server on the same host or LAN
-        arrives well within the window. Spinning yields while more tasks are runnable than
-        there are CPUs, and backs off in time while replies keep missing the window (an
-        overloaded server). A WAIT's reply (``timeout`` given) comes when another client
-        acts: missing the window then says nothing about the server, and is not counted.
-        """
-        chunk = None
-        if timeout != 0:
-            try:
-                chunk = self._busy_poll.spin(self._recv_probe, timeout is None)
-            except OSError as exc:
-                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
-        if chunk is None:
-            chunk = self._recv_blocking(what, timeout)
-        if not chunk:
-            raise self._fail(f"{_CLOSED_TEXT} ({self.describe()}, during {what})")
-        self._rbuf += chunk
-
-    def _recv_blocking(self, what: str, timeout: Optional[float]) -> bytes:
-        """Block in poll(2) until the socket has data or the deadline passes; read it."""
-        limit = max(self._timeout_s, MIN_REPLY_DEADLINE) if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        poll = self._poller.poll
-        recv = self._sock.recv
-        left = limit
-        while True:
-            if left > 0:
-                # poll(2) counts whole milliseconds: round up, so a wait never ends early
-                poll(int(left * 1000) + 1)
-            try:
-                return recv(_RECV_SIZE)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
-            left = deadline - time.monotonic()
-            if left > 0:
-                continue
-            if timeout is not None:
-                raise _WaitTimedOut()
-            raise self._fail(
-                f"{self.describe()} did not answer {what} within {format_duration(limit)} "
-                f"(the store timeout); the connection is no longer usable")
-
-    def _read(self, n: int, what: str, timeout: Optional[float] = None) -> bytes:
-        buf = self._rbuf
-        while len(buf) < n:
-            self._recv(what, timeout)
-            timeout = None  # once the reply has started, the rest follows at once
-        out = bytes(buf[:n])
-        del buf[:n]
-        return out
-
-    def _read_u8(self, what: str, timeout: Optional[float] = None) -> int:
-        buf = self._rbuf
-        if not buf:
-            self._recv(what, timeout)
-        value = buf[0]
-        del buf[:1]
-        return value
-
-    def _read_i64(self, what: str) -> int:
-        buf = self._rbuf
-        while len(buf) < 8:
-            self._recv(what, None)
-        value = _i64(buf)[0]
-        del buf[:8]
-        return value
-
-    def _read_blob(self, what: str) -> bytes:
-        buf = self._rbuf
-        while len(buf) < 8:
-            self._recv(what, None)
-        end = 8 + _u64(buf)[0]
-        while len(buf) < end:
-            self._recv(what, None)
-        value = bytes(buf[8:end])
-        del buf[:end]
-        return value
-
-    def _await_wait(self, seconds: float, what: str, held_reply: Optional[Callable[[], object]] = None):
-        """Read the deferred STOP_WAITING of a WAIT/BARRIER sent with a ``seconds`` limit.
-
-        Returns ``(True, held)`` when the wait completed (``held`` = the reply of the request
-        pipelined behind it, if any) and ``(False, None)`` when it timed out and was cancelled.
-        On timeout it sends CANCEL_WAIT and reads torch's two-byte race: ``01`` (cancelled),
-        or ``00 01`` (the wait completed just before the cancel arrived; then it counts as
-        completed). Against a distlib server, the pipelined request's reply comes between.
-        """
-        buf = self._rbuf
-        if not buf:
-            try:
-                self._recv(what, seconds)
-            except _WaitTimedOut:
-                return self._cancel_timed_out_wait(what, held_reply)
-        code = buf[0]
-        del buf[:1]
-        if code != STOP_WAITING:
-            raise self._fail(f"Stop_waiting response is expected (got {code})")
-        return True, held_reply() if held_reply else None
-
-    def _cancel_timed_out_wait(self, what: str, held_reply: Optional[Callable[[], object]]):
-        """The wait's time is up: CANCEL_WAIT, then torch's two-byte race (_await_wait)."""
-        self._send(codec.cancel_wait())
-        code = self._read_u8(f"CANCEL_WAIT after {what}")
-        if code == STOP_WAITING:
-            held = held_reply() if held_reply else None
-            if self._read_u8(f"CANCEL_WAIT after {what}") != WAIT_CANCELED:
-                raise self._fail("wait_canceled response is expected")
-            return True, held
-        if code != WAIT_CANCELED:
-            raise self._fail(f"wait_canceled response is expected (got {code})")
-        if held_reply:
-            held_reply()
-        return False, None
 
     # -- keys ------------------------------------------------------------------------------------
 
@@ -518,7 +263,7 @@ class TCPStore(Store):
             if not buf:
                 try:
                     self._recv("GET", seconds)
-                except _WaitTimedOut:
+                except WaitTimedOut:
                     done, value = self._cancel_timed_out_wait("GET", lambda: self._read_blob("GET"))
                     if not done:
                         raise self._timeout_error([wire], seconds) from None

@@ -514,40 +514,15 @@ def encode(op: int, *fields) -> bytes:
     return ENCODERS[op](*fields)
 
 
-# The layout encoders by opcode, for callers that pick the opcode at run time (tests, the
-# handshake); ``op`` must be one of the layout's opcodes.
+# The two encoders by opcode that callers still pick at run time (the handshake, tests).
 
 
 def bare_request(op: int) -> bytes:
     return ENCODERS[op]()
 
 
-def u32_request(op: int, value: int) -> bytes:
-    return ENCODERS[op](value)
-
-
-def key_request(op: int, key: bytes) -> bytes:
-    return ENCODERS[op](key)
-
-
-def key_value_request(op: int, key: bytes, value: bytes) -> bytes:
-    return ENCODERS[op](key, value)
-
-
-def key_i64_request(op: int, key: bytes, number: int) -> bytes:
-    return ENCODERS[op](key, number)
-
-
-def key_2blobs_request(op: int, key: bytes, expected: bytes, desired: bytes) -> bytes:
-    return ENCODERS[op](key, expected, desired)
-
-
 def keys_request(op: int, keys: Sequence[bytes]) -> bytes:
     return ENCODERS[op](keys)
-
-
-def pairs_request(op: int, keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
-    return ENCODERS[op](keys, values)
 
 
 def decode(buf, pos: int, end: int, limits: Limits):
