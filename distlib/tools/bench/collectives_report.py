@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .. import command
 from .collectives_ops import DISTLIB_GLOO, MPI4PY, SHORT, SIZE_MEANS, SweepPoint, algbw_gbs, busbw_factor
 from .results import DISTLIB, MISS, NOT_MEASURED, PASS, TORCH, Row
-from .tables import Table, fmt_num, fmt_seconds, fmt_speedup
+from .tables import Table, fmt_num, fmt_seconds, fmt_speedup, print_block
 
 
 def _finite(x: Optional[float]) -> Optional[float]:
@@ -219,16 +219,9 @@ def finish(args: argparse.Namespace, bench: CollectivesReport, impls: Sequence[s
     out = command.text_stream(args.json)
     print("\n".join(header), file=out)
     for text in bench.op_tables():
-        print(file=out)
-        print(text, file=out)
-    init = bench.init_table()
-    if init:
-        print(file=out)
-        print(init, file=out)
-    targets = bench.targets_table()
-    if targets:
-        print(file=out)
-        print(targets, file=out)
+        print_block(out, text)
+    print_block(out, bench.init_table())
+    print_block(out, bench.targets_table())
     counts = bench.summary()
     print(file=out)
     ref = SHORT[bench.reference]

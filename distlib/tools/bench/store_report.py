@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .. import command
 from .results import DISTLIB, MISS, NOT_MEASURED, PASS, TORCH, Row
-from .tables import Table, environment, fmt_num, fmt_seconds, fmt_speedup, fmt_value
+from .tables import Table, environment, fmt_num, fmt_seconds, fmt_speedup, fmt_value, print_block
 from .timing import PairedRatio, median
 
 
@@ -128,28 +128,13 @@ def finish(args: argparse.Namespace, bench: StoreReport, impls: Sequence[str], t
         + "; torch clients over TCP; barrier ranks over TCP for both",
     ]
     print("\n".join(header), file=out)
-    if bench.rows:
-        print(file=out)
-        print(bench.table(), file=out)
+    print_block(out, bench.table() if bench.rows else None)
     if bench.security_bench is not None:
-        print(file=out)
-        print(bench.security_bench.table(), file=out)
-        print("\n".join(bench.security_bench.lines()), file=out)
-    lat = bench.latency_table()
-    if lat:
-        print(file=out)
-        print(lat, file=out)
-    phases = bench.barrier_lines()
-    if phases:
-        print(file=out)
-        print("barrier rounds, median (arrival: first ADD to done set; release: done set to the last rank through):",
-              file=out)
-        print("\n".join(phases), file=out)
-    storm = bench.storm_lines()
-    if storm:
-        print(file=out)
-        print("connect storm, per round:", file=out)
-        print("\n".join(storm), file=out)
+        print_block(out, bench.security_bench.table() + "\n" + "\n".join(bench.security_bench.lines()))
+    print_block(out, bench.latency_table())
+    print_block(out, "barrier rounds, median (arrival: first ADD to done set; release: done set to the last rank "
+                     "through):", bench.barrier_lines())
+    print_block(out, "connect storm, per round:", bench.storm_lines())
     counts = bench.summary()
     print(file=out)
     print("speed-up = how many times better distlib is (ops/s: distlib/torch; times: torch/distlib). "

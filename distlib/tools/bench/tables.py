@@ -130,6 +130,17 @@ def environment(extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     return env
 
 
+def print_block(out, text: Optional[str], lines: Optional[Sequence[str]] = None) -> None:
+    """One part of a report, set apart by a blank line: ``text``, then ``lines`` if given;
+    nothing when there is no text, or no lines where lines are asked for."""
+    if not text or (lines is not None and not lines):
+        return
+    print(file=out)
+    print(text, file=out)
+    if lines:
+        print("\n".join(lines), file=out)
+
+
 class Printer:
     """Progress lines go to stderr (or nowhere with quiet), results to stdout, so that
     ``--json -`` leaves stdout to the JSON."""
