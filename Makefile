@@ -10,13 +10,13 @@ PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 
-.PHONY: help venv test test-unit test-interop demo image image-gpu cluster-up cluster-down cluster-logs \
+.PHONY: help venv host-tools test test-unit test-interop demo image image-gpu cluster-up cluster-down cluster-logs \
         helm-lint helm-test bench-store bench-collectives clean
 
 help:
 	@echo "make cluster-up    build the image and run the 4-node Compose cluster job (NODES=8, MODE=tcp|rank0|file|nfs|mpi, GPU=1,"
 	@echo "                   JOB=\"python my_train.py --epochs 3\": your own script, this directory mounted read-only)"
-	@echo "make test          create .venv, install distlib with its test extras, run the whole suite"
+	@echo "make test          create .venv, install distlib with its test extras (and shellcheck when missing), run the whole suite"
 	@echo "make test-interop  install torch 2.13 once into $(INTEROP_VENV) and run the torch interoperability tests"
 	@echo "make demo          a TCP master service and 4 local processes, no Docker needed"
 	@echo "make image         build the $(IMAGE) image (offline: a debootstrap base when no base image can be had)"
@@ -31,7 +31,21 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: venv
+# What the suite needs on the host besides the venv: shellcheck, for the shell scripts' lint
+# (tests/containers/test_build_script.py). Debian's package, installed only when missing (CI's
+# fresh machine has none); apt-get's lists are refreshed only if the package is not in them.
+# Where apt-get cannot run (not root, not Debian) it says so, and the lint skips.
+host-tools:
+	@command -v shellcheck >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "make: installing shellcheck (Debian's package) for the shell-script lint"; \
+	    apt-get install -y -qq --no-install-recommends shellcheck >/dev/null 2>&1 || \
+	      { apt-get update -qq && apt-get install -y -qq --no-install-recommends shellcheck >/dev/null; }; \
+	  else \
+	    echo "make: shellcheck is missing and apt-get cannot install it here (needs root on Debian): the shell-script lint will skip"; \
+	  fi; }
+
+test: venv host-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The suite without Docker, torch or a GPU: the quick loop while developing.

@@ -65,6 +65,7 @@ docker run --rm --network none --user 0 --entrypoint cat "$DISTLIB_IMAGE" /var/l
     die "could not read the dpkg status of $DISTLIB_IMAGE"
 image_codename="$(docker run --rm --network none --entrypoint /bin/sh "$DISTLIB_IMAGE" -c \
     '. /etc/os-release && echo "${VERSION_CODENAME:-}"')" || image_codename=""
+# shellcheck source=/dev/null
 host_codename="$( (. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}") || true)"
 key="$(printf '%s\n' "${PACKAGES[@]}" | cat - "$WORK/status" | sha256sum | cut -c1-16)"
 mkdir -p "$WORK/context/debs"
@@ -83,11 +84,12 @@ elif command -v apt-get >/dev/null 2>&1 && [ -n "$host_codename" ] && [ "$host_c
     }
     if ! fetch >"$BUILD_DIR/slurm-apt-download.log" 2>&1; then
         # the host's package lists may be missing or stale: refresh them once (root only)
-        [ "$(id -u)" = 0 ] && apt-get update -qq >>"$BUILD_DIR/slurm-apt-download.log" 2>&1 &&
-            fetch >>"$BUILD_DIR/slurm-apt-download.log" 2>&1 ||
+        if ! { [ "$(id -u)" = 0 ] && apt-get update -qq >>"$BUILD_DIR/slurm-apt-download.log" 2>&1 &&
+               fetch >>"$BUILD_DIR/slurm-apt-download.log" 2>&1; }; then
             die "apt could not fetch ${PACKAGES[*]} (log: $BUILD_DIR/slurm-apt-download.log)"
+        fi
     fi
-    rm -rf "$CACHE/$key"
+    rm -rf "${CACHE:?}/$key"
     mkdir -p "$CACHE/$key"
     mv "$WORK"/archives/*.deb "$CACHE/$key/"
     touch "$CACHE/$key/.complete"

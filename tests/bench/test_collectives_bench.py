@@ -19,10 +19,11 @@ import pytest
 
 from distlib.tools.bench import collectives as bench
 from distlib.tools.bench import collectives_cli
-from distlib.tools.bench.cases import Case
-from distlib.tools.bench.common import BenchError
+from distlib.tools.bench.cases import CHUNKED, Case
+from distlib.tools.bench.children import BenchError
+from distlib.tools.bench.collectives_ops import OPS, algbw_gbs, busbw_factor, op_size, size_sweep
 
-ALL_OPS = list(bench.OPS)
+ALL_OPS = list(OPS)
 SIZES = ["--min-bytes", "4", "--max-bytes", "4K", "--step-factor", "16", "--iters", "3", "--warmup", "1",
          "--rounds", "1"]
 #: The gloo tests measure distlib's gloo alone (the raw mpi4py floor has tests of its own, below).
@@ -54,7 +55,7 @@ def test_json_has_every_op_with_busbw_from_size_and_time(nproc):
         assert e["ranks"] == nproc and e["dtype"] == "float32" and "torch" not in e
         assert e["busbw_factor"] == pytest.approx(expected_factor(e["op"], nproc))
         assert e["bytes"] == e["count"] * 4
-        if e["op"] in bench.CHUNKED:
+        if e["op"] in CHUNKED:
             assert e["count"] % nproc == 0 and e["count"] >= nproc
         assert d["validated"] is True and d["error"] is None
         assert d["time_us"] > 0 and len(d["rounds_us"]) == 1 and len(d["per_rank_us"][0]) == nproc
@@ -194,20 +195,20 @@ def test_a_wrong_result_reports_no_bandwidth(monkeypatch, capsys):
     ("broadcast", 4, 1.0), ("reduce", 8, 1.0),
 ])
 def test_busbw_factors_are_nccl_tests(op, n, factor):
-    assert bench.busbw_factor(op, n) == pytest.approx(factor)
+    assert busbw_factor(op, n) == pytest.approx(factor)
 
 
 def test_sizes_round_to_whole_elements_and_chunks():
-    assert bench.op_size("all_reduce", 4, 4, 2) == (4, 1)
-    assert bench.op_size("all_reduce", 2, 4, 2) == (4, 1)  # at least one element
-    assert bench.op_size("all_gather_into_tensor", 4, 4, 2) == (8, 2)  # one element per rank at least
-    assert bench.op_size("reduce_scatter_tensor", 1024, 4, 3) == (1020, 255)
-    assert bench.op_size("all_to_all_single", 64 << 20, 4, 4) == (64 << 20, 16 << 20)
-    assert bench.size_sweep(4, 64 << 20, 4)[-1] == 64 << 20 and len(bench.size_sweep(4, 64 << 20, 4)) == 13
-    assert bench.size_sweep(5, 4, 2) == []
+    assert op_size("all_reduce", 4, 4, 2) == (4, 1)
+    assert op_size("all_reduce", 2, 4, 2) == (4, 1)  # at least one element
+    assert op_size("all_gather_into_tensor", 4, 4, 2) == (8, 2)  # one element per rank at least
+    assert op_size("reduce_scatter_tensor", 1024, 4, 3) == (1020, 255)
+    assert op_size("all_to_all_single", 64 << 20, 4, 4) == (64 << 20, 16 << 20)
+    assert size_sweep(4, 64 << 20, 4)[-1] == 64 << 20 and len(size_sweep(4, 64 << 20, 4)) == 13
+    assert size_sweep(5, 4, 2) == []
     assert [bench.parse_bytes(t) for t in ("4", "4B", "64K", "64KiB", "64M", "1g")] == \
         [4, 4, 65536, 65536, 64 << 20, 1 << 30]
-    assert math.isnan(bench.algbw_gbs(100, 0.0)) and bench.algbw_gbs(10**9, 1.0) == 1.0
+    assert math.isnan(algbw_gbs(100, 0.0)) and algbw_gbs(10**9, 1.0) == 1.0
 
 
 def _emulate(op: str, cases):

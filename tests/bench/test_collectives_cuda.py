@@ -17,8 +17,8 @@ from distlib.tools.bench import collectives as cpu
 from distlib.tools.bench import collectives_cli
 from distlib.tools.bench.cases import Case
 from distlib.tools.bench import collectives_cuda as cuda
-from distlib.tools.bench import common
-from distlib.tools.bench.common import Printer
+from distlib.tools.bench.results import MISS, NOT_MEASURED, PASS
+from distlib.tools.bench.tables import Printer
 
 MIB = 1 << 20
 
@@ -102,10 +102,10 @@ def test_targets_from_targets_json_judge_the_rows():
     big, small = 256 * MIB, 8
     bench = _judged(2, {big: 0.1 / 0.96, small: 12e-6}, {big: 0.1, small: 10e-6})
     results = {label: row.result() for label, row in bench.targets}
-    assert results == {"nccl all_reduce 256 MiB busbw, 2 rank(s)": common.PASS,   # 0.96x >= 0.95x
-                       "nccl all_reduce 8 B latency, 2 rank(s)": common.PASS}     # 1.2x the time, just
+    assert results == {"nccl all_reduce 256 MiB busbw, 2 rank(s)": PASS,   # 0.96x >= 0.95x
+                       "nccl all_reduce 8 B latency, 2 rank(s)": PASS}     # 1.2x the time, just
     bench = _judged(2, {big: 0.1 / 0.94, small: 12.1e-6}, {big: 0.1, small: 10e-6})
-    assert {row.result() for _, row in bench.targets} == {common.MISS}
+    assert {row.result() for _, row in bench.targets} == {MISS}
     table = bench.targets_table()
     assert ">= 0.95x torch nccl (busbw)" in table and "<= 1.2x torch nccl's time" in table
     assert "2.5 GB/s" in table  # busbw = 256 MiB / 0.1064 s x 2(n-1)/n
@@ -115,7 +115,7 @@ def test_one_rank_shows_algbw_and_judges_by_time():
     big = 256 * MIB
     bench = _judged(1, {big: 1e-3}, {big: 1e-3})
     (label, row), _ = bench.targets
-    assert label == "nccl all_reduce 256 MiB busbw, 1 rank(s)" and row.result() == common.PASS
+    assert label == "nccl all_reduce 256 MiB busbw, 1 rank(s)" and row.result() == PASS
     assert bench._value_text(row, "distlib") == "algbw 268.4 GB/s"  # busbw is 0 at one rank
 
 
@@ -123,7 +123,7 @@ def test_targets_missing_from_the_run_say_why_and_gloo_has_none():
     bench = _judged(2, {}, {}, "-e", "1M")
     rows = dict(bench.targets)
     assert rows["nccl all_reduce 256 MiB busbw, 2 rank(s)"].note == "not in this run (needs 256 MiB all_reduce of float32)"
-    assert rows["nccl all_reduce 256 MiB busbw, 2 rank(s)"].result() == common.NOT_MEASURED
+    assert rows["nccl all_reduce 256 MiB busbw, 2 rank(s)"].result() == NOT_MEASURED
     assert _judged(4, {}, {}).targets == []  # the targets are for 1 and 2 ranks
     assert _judged(2, {}, {}, "--backend", "gloo").targets == []
 

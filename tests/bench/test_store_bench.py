@@ -12,6 +12,11 @@ from datetime import timedelta
 import pytest
 
 from distlib.tools.bench import store as bench
+from distlib.tools.bench import store_children, store_measure
+from distlib.tools.bench.results import DISTLIB, TORCH
+from distlib.tools.bench.store_children import bench_key, storm_child
+from distlib.tools.bench.store_measure import SINGLE_OPS, StoreBench
+from distlib.tools.bench.store_measure import SECTIONS as BENCH_SECTIONS
 from distlib.store.tcp import StoreServer, TCPStore
 
 SECTIONS = {"single client", "concurrent clients", "barrier", "connect storm", "FileStore"}
@@ -55,7 +60,7 @@ def test_json_to_stdout_puts_the_table_on_stderr_and_tcp_transport():
                        "--json", "-", "--quiet")
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert [row["section"] for row in doc["rows"]] == ["single client"] * len(bench.SINGLE_OPS)
+    assert [row["section"] for row in doc["rows"]] == ["single client"] * len(SINGLE_OPS)
     assert doc["environment"]["client_transports"] == {"distlib": "tcp"}
     assert "[single client]" in result.stderr and "distlib clients over TCP" in result.stderr
 
@@ -70,7 +75,7 @@ def test_barrier_ranks_pass_a_real_barrier():
     iteration uses fresh keys and leaves the counter at exactly W."""
     server = StoreServer("127.0.0.1", 0).start()
     world = 40
-    ranks = bench._BarrierRanks("127.0.0.1", server.port, world, 2, "test")
+    ranks = store_children.BarrierRanks("127.0.0.1", server.port, world, 2, "test")
     try:
         ranks.wait_ready(60)
         times = ranks.run(3)
@@ -117,20 +122,20 @@ def test_barrier_alternates_implementations_iteration_by_iteration(monkeypatch):
             assert iterations == 1
             calls.append(self.tag)
             drift = 1.0 + ((len(calls) - 1) // 2 % 3)  # the machine's speed changes from pair to pair
-            t = 0.1 * drift * (1.25 if self.tag == bench.TORCH else 1.0)
+            t = 0.1 * drift * (1.25 if self.tag == TORCH else 1.0)
             self.phases = [(t * 0.6, t * 0.4)]
             return [t]
 
         def stop(self):
             pass
 
-    monkeypatch.setattr(bench, "_Server", FakeServer)
-    monkeypatch.setattr(bench, "_BarrierRanks", FakeRanks)
+    monkeypatch.setattr(store_measure, "LoadServer", FakeServer)
+    monkeypatch.setattr(store_measure, "BarrierRanks", FakeRanks)
     args = bench.build_parser().parse_args(["--rounds", "2", "--barrier-ranks", "8", "--barrier-iterations", "3"])
     args.barrier_procs = 1
-    sb = bench.StoreBench(args, [bench.DISTLIB, bench.TORCH], lambda text: None)
+    sb = StoreBench(args, [DISTLIB, TORCH], lambda text: None)
     sb.barrier()
-    d, t = bench.DISTLIB, bench.TORCH
+    d, t = DISTLIB, TORCH
     assert calls == [d, t, t, d, d, t] * 2
     row = sb.rows[0]
     assert len(row.values[d]) == len(row.values[t]) == 2  # one median per round
@@ -144,7 +149,7 @@ def test_barrier_alternates_implementations_iteration_by_iteration(monkeypatch):
 def test_connect_storm_child_connects_everyone():
     server = StoreServer("127.0.0.1", 0).start()
     try:
-        result = bench._storm_child(None, "distlib", "127.0.0.1", server.port, True, 24, 30.0)
+        result = storm_child(None, "distlib", "127.0.0.1", server.port, True, 24, 30.0)
     finally:
         server.stop()
     assert result["failed"] == 0 and result["errors"] == []
@@ -153,7 +158,7 @@ def test_connect_storm_child_connects_everyone():
 
 @pytest.mark.parametrize("prefix, i, key", [("k", 0, "k000000000000000"), ("c12.", 3, "c12.000000000003")])
 def test_keys_are_sixteen_bytes(prefix, i, key):
-    assert bench._key(prefix, i) == key and len(key) == 16
+    assert bench_key(prefix, i) == key and len(key) == 16
 
 
 def test_the_security_section_measures_every_variant_on_its_transport(tmp_path):
@@ -179,4 +184,4 @@ def test_the_security_section_measures_every_variant_on_its_transport(tmp_path):
 
 
 def test_the_security_section_is_not_run_unless_asked():
-    assert "security" in bench.SECTIONS and "security" not in bench.build_parser().parse_args([]).sections
+    assert "security" in BENCH_SECTIONS and "security" not in bench.build_parser().parse_args([]).sections

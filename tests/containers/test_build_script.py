@@ -215,8 +215,34 @@ def test_a_plain_build_sends_only_what_the_dockerfile_copies():
     assert not any("__pycache__" in p or p.endswith(".pyc") for p in files)
 
 
-@pytest.mark.parametrize("script", [BUILD_SCRIPT, PREPARE_SCRIPT, REPO_ROOT / "compose" / "nfs" / "build-nfs-image.sh"],
-                         ids=lambda p: p.name)
+def shell_scripts() -> list:
+    """Every shell script of the repository: the tracked files named *.sh or starting with a
+    sh/bash shebang (.ci/run), so that a new script is linted without being listed here."""
+    try:
+        tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True, check=True,
+                                 timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.SubprocessError):  # not a git checkout: the scripts by name
+        tracked = [str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.rglob("*.sh") if ".venv" not in p.parts]
+    found = []
+    for name in filter(None, tracked):
+        path = REPO_ROOT / name
+        if not path.is_file():
+            continue
+        if name.endswith(".sh"):
+            found.append(path)
+            continue
+        with open(path, "rb") as fh:
+            if re.match(rb"#!\s*\S*/(env\s+)?(ba|da)?sh\b", fh.readline(64)):
+                found.append(path)
+    return sorted(found)
+
+
+def test_the_lint_finds_the_scripts():
+    scripts = shell_scripts()
+    assert {BUILD_SCRIPT, PREPARE_SCRIPT, REPO_ROOT / ".ci" / "run"} <= set(scripts), scripts
+
+
+@pytest.mark.parametrize("script", shell_scripts(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_shellcheck_clean(script):
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:

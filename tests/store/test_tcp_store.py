@@ -18,6 +18,7 @@ from distlib import DistNetworkError, DistStoreError
 from distlib.store.tcp import TCPStore
 from distlib.store.tcp import codec as proto
 
+from .append_order import TRIES, slow_thread_switches, stale_reads  # noqa: F401 - a fixture
 from .scripted_server import ScriptedServer
 
 PID = struct.pack("<I", os.getpid() & 0xFFFFFFFF)
@@ -426,3 +427,45 @@ def test_compare_set_that_creates_the_key_wakes_waiters():
     thread.start()
     assert getter.get("cs_new") == b"made"
     thread.join(5)
+
+
+def test_master_handle_reads_after_another_processs_append(slow_thread_switches):
+    """The master handle sets a key, a client in another process appends to it (no reply),
+    the master reads it: the get must not overtake the APPEND the server had already
+    received (append_order.py; test_tcp_store_interop.py runs it with a torch client). The
+    master's server runs on a thread of this process, so the master confirms its SET with a
+    PING before its next request. Without that it read the old value in 0 to 12 of 40 tries
+    (in 5 runs of 6; torch's faster client makes it 38 of 40), hence more tries here."""
+    master = TCPStore("127.0.0.1", 0, None, True, short(30), wait_for_workers=False)
+    tries = 2 * TRIES
+    try:
+        stale = stale_reads(master, "distlib", tries)
+    finally:
+        master.close()
+    assert stale == [], f"the master read {len(stale)} of {tries} keys without the other client's append: {stale}"
+
+
+def test_an_in_process_client_confirms_what_it_sent_without_reply():
+    """Each kind of request without reply (set, append, multi_set, queue_push, and a value
+    over the size sent in one write) is confirmed before the next request of a client of an
+    in-process server; a client of a server in another process sends torch's bytes only
+    (the scripted-server tests above pin those)."""
+    master = TCPStore("127.0.0.1", 0, None, True, short(), wait_for_workers=False)
+    clone = master.clone()
+    try:
+        big = os.urandom(200_000)
+        master.set("k", "v")
+        master.append("k", "w")
+        master.multi_set(["m1", "m2"], ["1", "2"])
+        master.queue_push("q", "x")
+        master.set("big", big)
+        clone.set("from_clone", "c")
+        assert master.get("k") == b"vw"
+        assert master.multi_get(["m1", "m2", "big", "from_clone"]) == [b"1", b"2", big, b"c"]
+        assert clone.queue_pop("q") == b"x"
+        assert master.num_keys() == 5  # k, m1, m2, big, from_clone (the queue is empty)
+        master.set("last", "1")
+        assert 0 <= master.ping() < 30  # the PING's own echo, after the confirmation's
+    finally:
+        clone.close()
+        master.close()

@@ -38,6 +38,7 @@ from distlib.store import PrefixStore  # noqa: E402
 from distlib.store.tcp import TCPStore  # noqa: E402
 from distlib.tools.store_service import StoreServerProcess  # noqa: E402
 from tests.fixtures.ports import free_port  # noqa: E402
+from tests.store.append_order import TRIES, slow_thread_switches, stale_reads  # noqa: E402,F401 - a fixture
 
 pytestmark = pytest.mark.interop
 
@@ -300,6 +301,27 @@ def test_distlib_master_waits_for_torch_workers():
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
+
+
+# -- ordering: a torch client's fire-and-forget request, then the master's own read ------------
+
+
+@pytest.mark.parametrize("master_impl", ["distlib", "torch"])
+def test_master_handle_reads_after_a_torch_clients_append(master_impl, slow_thread_switches):
+    """The master handle (TCPStore(is_master=True), its server on a thread of this process)
+    sets a key, a torch client in another process appends to it, the master reads it: the
+    get must not overtake the APPEND the server had already received (append_order.py).
+    torch's own master handle never does. Before the fix the distlib master read the old
+    value in 4 to 40 of 40 tries: its server thread, waiting for this interpreter, had not
+    read the master's SET when the APPEND arrived, and then read SET and GET together, ahead
+    of it."""
+    if master_impl == "distlib":
+        master = TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
+    else:
+        master = tdist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
+    stale = stale_reads(master, "torch")
+    assert stale == [], (f"the {master_impl} master read {len(stale)} of {TRIES} keys without the torch "
+                         f"client's append (expected b'ab'): {stale}")
 
 
 # -- distlib clients, torch servers (libuv and legacy) -------------------------------------------

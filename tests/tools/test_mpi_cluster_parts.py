@@ -163,6 +163,42 @@ def test_the_workers_sshd_admits_the_run_key_only(tmp_path):
         mpi_sshd.prepare(tmp_path / "x", Path("/nonexistent/authorized_keys"), "distlib")
 
 
+SSHD_LOG = [
+    b"Server listening on 0.0.0.0 port 2222.\n",
+    b"Connection closed by 172.18.0.5 port 41234 [preauth]\n",  # ssh-keyscan: a probe
+    b"Connection reset by fd00::5 port 41236 [preauth]\n",  # a probe over IPv6
+    b"Connection closed by authenticating user distlib 172.18.0.5 port 41240 [preauth]\n",  # a failed login
+    b"Invalid user root from 172.18.0.9 port 50000\n",
+    b"Accepted publickey for distlib from 172.18.0.5 port 41238 ssh2: ED25519 SHA256:abc\n",
+]
+
+
+def test_the_sshd_log_loses_the_probes_and_keeps_every_login(tmp_path):
+    source, sink = tmp_path / "in", tmp_path / "out"
+    source.write_bytes(b"".join(SSHD_LOG))
+    with open(source, "rb") as src, open(sink, "wb") as out:
+        dropped = mpi_sshd.log_filter(src, out)
+    assert dropped == 2
+    assert sink.read_bytes().splitlines(keepends=True) == [SSHD_LOG[0]] + SSHD_LOG[3:]
+
+
+@pytest.mark.parametrize("level, shown", [("DEBUG", True), ("debug", True), ("INFO", False), ("WARNING", False),
+                                          ("ERROR", False), ("nonsense", False)])
+def test_the_probes_are_debug_lines(level, shown):
+    assert mpi_sshd.shows_probes(level) is shown
+
+
+def test_what_the_exec_ed_program_writes_to_stderr_goes_through_the_filter():
+    """filter_stderr, then exec (as main() execs sshd): the program's stderr loses the probes'
+    lines, keeps the others in order, and the filter ends when the program does."""
+    lines = "".join(line.decode() for line in SSHD_LOG)
+    code = ("import os, sys; from distlib.tools.jobs import mpi_sshd; mpi_sshd.filter_stderr(); "
+            "os.execv('/bin/sh', ['sh', '-c', 'printf \"%s\" \"$0\" >&2', sys.argv[1]])")
+    done = subprocess.run([sys.executable, "-c", code, lines], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines(keepends=True) == [SSHD_LOG[0]] + SSHD_LOG[3:]
+
+
 # -- the run's key pair ------------------------------------------------------------------------------------
 
 

@@ -24,16 +24,16 @@ What it does beyond torch, and why:
   server prove the token to each other before any request; with ``DISTLIB_TLS_CA`` the TCP
   connection is TLS and the server's certificate is checked. Without either, the bytes are
   torch's.
-* Replies are polled for, not blocked on at once: a short busy-poll (``SPIN_S``, 100 us;
-  off when it would take a CPU another task needs, and backing off while replies miss it;
-  distlib/busy_poll.py), then poll(2) with the deadline. The socket
-  stays non-blocking, so no call pays for switching modes or timeouts.
+* Replies are polled for (a short busy-poll, then poll(2)), each with a deadline, over a
+  non-blocking socket (client_channel.py).
 * Connecting retries with backoff until the timeout and then fails naming host:port and
   what went wrong (connect.py); a port where something accepts and stays silent is named as
-  another service. Every reply is read with a deadline: a server that stops
-  answering is reported, naming the operation and the server, instead of hanging.
+  another service.
 * The master waits for its workers on a condition the in-process server signals, not by
   polling every 10 ms; its timeout error lists where the workers that did join came from.
+* **In-process clients keep the server's order**: a client whose server runs on a thread of
+  this process confirms each request without reply with a PING before its next request
+  (client_channel.py says why).
 * A zero timeout means "do not wait", as torch's TCPStore reads it.
 * Every error names the server (host:port).
 """
@@ -42,157 +42,39 @@ from __future__ import annotations
 
 import logging
 import os
-import select
-import socket
 import threading
-import time
 import weakref
 from datetime import timedelta
-from functools import partial
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-from ...busy_poll import BusyPoll
 from ...deadline import Deadline, TimeoutLike, format_duration
-from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
-from ...net import bind_for_clients
+from ...errors import DistStoreError, QueueEmptyError
 from ...tls import TlsSocket
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
 from . import codec
-from .codec import (
-    I64,
-    MAX_KEY_BYTES,
-    MAX_VALUE_BYTES,
-    OP_U64,
-    OP_U64_U64,
-    READY,
-    STOP_WAITING,
-    U32,
-    U64,
-    WAIT_CANCELED,
-    WORKER_COUNTER_KEY,
-    Op,
-)
+from .client_channel import RequestChannel, WaitTimedOut, close_socket
+from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WORKER_COUNTER_KEY
 from .connect import describe_socket, format_endpoint
-from .handshake import CLOSED_TEXT, open_connection
+from .handshake import open_connection
+from .in_process import InProcessServer, serves_here, start_server
 from .security import StoreSecurity
-from .server import StoreServer
 
 log = logging.getLogger("distlib.store.tcp.client")
 
-_CLOSED_TEXT = CLOSED_TEXT
-
-#: Replies to requests that do not wait (SET, ADD, GET after its WAIT, ...) come at once from a
-#: healthy server; one that has not answered after max(store timeout, this) is reported dead.
-MIN_REPLY_DEADLINE = 30.0
-
-#: How long a client polls for a reply before blocking (busy_poll.py; see _recv).
-SPIN_S = 100e-6
-
-_RECV_SIZE = 65536
-_POLLIN = select.POLLIN
-_POLLOUT = select.POLLOUT
-
-_WAIT = int(Op.WAIT)
 _u64 = U64.unpack_from
 _i64 = I64.unpack_from
-# Request headers of the hot paths, packed in one call (the layouts are codec.py's).
-_OP_LEN = OP_U64.pack  # opcode, u64 length of the key that follows
-_WAIT_ONE = OP_U64_U64.pack  # WAIT or CHECK, u64 count 1, u64 length of the key
-_pack_u64 = U64.pack
-_pack_i64 = I64.pack
-_SET, _GET, _ADD, _CHECK, _CAS = int(Op.SET), int(Op.GET), int(Op.ADD), int(Op.CHECK), int(Op.COMPARE_SET)
-
-
-class _WaitTimedOut(Exception):
-    """Internal: the reply to a WAIT did not come within the wait's timeout."""
-
-
-# -- servers owned by TCPStore objects in this process ---------------------------------------
-
-
-class _ServerHandle:
-    """A running in-process server and how many TCPStore objects own it.
-
-    torch's ``multi_tenant=True`` shares one server per port within a process; the server
-    stops when the last TCPStore that owns it is gone.
-    """
-
-    def __init__(self, server: StoreServer, multi_tenant: bool):
-        self.server = server
-        self.multi_tenant = multi_tenant
-        self.owners = 0
-        self.lock = threading.Lock()
-
-    def acquire(self) -> None:
-        with self.lock:
-            self.owners += 1
-
-    def release(self) -> None:
-        with self.lock:
-            self.owners -= 1
-            last = self.owners == 0
-        if last:
-            with _TENANTS_LOCK:
-                if _TENANTS.get(self.server.port) is self:
-                    del _TENANTS[self.server.port]
-            self.server.stop()
-
-
-_TENANTS: Dict[int, _ServerHandle] = {}
-_TENANTS_LOCK = threading.Lock()
-
-
-def _agent_store_tolerates_bind_failure(port: int) -> bool:
-    """torch's rule: a master whose bind fails becomes a plain client when
-    TORCHELASTIC_USE_AGENT_STORE is truthy and MASTER_PORT names this port."""
-    flag = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
-    return flag in ("1", "true", "yes") and os.environ.get("MASTER_PORT", "").strip() == str(port)
-
-
-def _start_server(host: str, port: int, multi_tenant: bool, master_listen_fd: Optional[int],
-                  security: StoreSecurity) -> Optional[_ServerHandle]:
-    """The master's server: on ``host``'s address only (net.bind_for_clients; torch listens on
-    every interface), with the job's security settings."""
-    if multi_tenant and port != 0:
-        with _TENANTS_LOCK:
-            handle = _TENANTS.get(port)
-            if handle is not None and handle.server.running:
-                handle.acquire()
-                return handle
-    if master_listen_fd is not None:
-        sock = socket.socket(fileno=int(master_listen_fd))
-        bound = sock.getsockname()[1]
-        if port and bound != port:
-            raise DistNetworkError(f"master_listen_fd {master_listen_fd} is bound to port {bound}, not to port {port}")
-        sock.listen(4096)
-    else:
-        try:
-            sock = bind_for_clients(host, port)
-        except DistNetworkError:
-            if _agent_store_tolerates_bind_failure(port):
-                log.info("port %d is taken and TORCHELASTIC_USE_AGENT_STORE is set: using the server already there", port)
-                return None
-            raise
-    server = StoreServer(listen_sock=sock, security=security)
-    handle = _ServerHandle(server.start(f"distlib-store-server:{sock.getsockname()[1]}"), multi_tenant)
-    handle.acquire()
-    if multi_tenant:
-        with _TENANTS_LOCK:
-            _TENANTS[handle.server.port] = handle
-    return handle
-
-
-def _close_socket(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
+# The requests of the hot paths, bound once (every request is built by codec.py's encoders).
+_encode_set = codec.set_
+_encode_wait_then_get = codec.wait_then_get
+_encode_add = codec.add
+_encode_check = codec.check
+_encode_wait = codec.wait
 
 
 # -- the client --------------------------------------------------------------------------------
 
 
-class TCPStore(Store):
+class TCPStore(RequestChannel, Store):
     """A store served over TCP by a master (torch.distributed.TCPStore)."""
 
     def __init__(
@@ -226,26 +108,21 @@ class TCPStore(Store):
         self._use_libuv = bool(use_libuv)
         self._world_size = world_size
         self._lock = threading.Lock()
-        self._sock: Optional[socket.socket] = None
-        self._rbuf = bytearray()
-        self._broken: Optional[str] = None
-        self._busy_poll = BusyPoll(SPIN_S, backoff=True)
-        self._recv_probe: Optional[Callable[[], bytes]] = None  # a non-blocking recv, once connected
-        self._poller: Optional[select.poll] = None
         self._local_ip: Optional[str] = None  # set while connected over the same-host socket
         self._ordered = False
-        self._server: Optional[_ServerHandle] = None
+        self._server: Optional[InProcessServer] = None
         self._server_finalizer: Optional[weakref.finalize] = None
         deadline = Deadline(self._timeout_s)
 
         if is_master:
-            self._server = _start_server(host_name, port, multi_tenant, master_listen_fd, self._security)
+            self._server = start_server(host_name, port, multi_tenant, master_listen_fd, self._security)
             if self._server is not None:
                 port = self._server.server.port
                 self._server_finalizer = weakref.finalize(self, self._server.release)
         self._port = port
+        self._init_channel(in_process=serves_here(port))  # its server on a thread of this process?
         self._connect(deadline)
-        self._finalizer = weakref.finalize(self, _close_socket, self._sock)
+        self._finalizer = weakref.finalize(self, close_socket, self._sock)
 
         if world_size is not None and wait_for_workers:
             with self._lock:
@@ -303,18 +180,10 @@ class TCPStore(Store):
         sock = opened.sock
         self._local_ip = opened.local_ip
         self._ordered = opened.ordered
-        # From here on the socket is non-blocking for good: replies are polled for (spin,
-        # then poll(2) with the deadline), with no per-call timeout or blocking-mode syscalls.
         sock.setblocking(False)
         if opened.tls:
             sock = TlsSocket(sock, drain=False)  # poll(2) is level-triggered: no read to prove "drained"
-        poller = select.poll()
-        poller.register(sock.fileno(), _POLLIN)
-        self._poller = poller
-        self._sock = sock
-        self._recv_probe = partial(sock.recv, _RECV_SIZE)
-        self._rbuf = bytearray()
-        self._broken = None
+        self._attach(sock)
 
     def _wait_for_workers(self, world_size: int, joined: int, deadline: Deadline) -> None:
         server = self._server.server
@@ -336,168 +205,6 @@ class TCPStore(Store):
             self._finalizer()
             if self._server_finalizer is not None:
                 self._server_finalizer()
-
-    # -- I/O helpers -----------------------------------------------------------------------------
-
-    def _fail(self, text: str) -> DistNetworkError:
-        self._broken = text
-        return DistNetworkError(text)
-
-    def _send(self, data: bytes) -> None:
-        if self._broken is not None:
-            raise DistNetworkError(self._broken)
-        try:
-            sent = self._sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
-        if sent < len(data):
-            self._send_rest(memoryview(data)[sent:])
-
-    def _send_rest(self, data: memoryview) -> None:
-        """The kernel took part of a request (a large value, or a server that reads slowly):
-        send the rest as the socket drains, giving up after the reply deadline."""
-        limit = max(self._timeout_s, MIN_REPLY_DEADLINE)
-        deadline = time.monotonic() + limit
-        poller = select.poll()
-        poller.register(self._sock.fileno(), _POLLOUT)
-        while data:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise self._fail(
-                    f"{self.describe()} did not take a request within {format_duration(limit)} "
-                    f"(the store timeout); the connection is no longer usable")
-            poller.poll(max(1, int(left * 1000)))
-            try:
-                sent = self._sock.send(data)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
-            data = data[sent:]
-
-    def _recv(self, what: str, timeout: Optional[float]) -> None:
-        """Append at least one byte to the read buffer; _WaitTimedOut after ``timeout``
-        (None: a reply that must come at once, given max(store timeout, 30 s)).
-
-        Busy-polling first (distlib/busy_poll.py): read the socket without sleeping for up
-        to ``SPIN_S``. On a VM whose idle vCPUs halt, a blocking read costs a ~100 us
-        wake-up per round trip; a reply from a healthy server on the same host or LAN
-        arrives well within the window. Spinning yields while more tasks are runnable than
-        there are CPUs, and backs off in time while replies keep missing the window (an
-        overloaded server). A WAIT's reply (``timeout`` given) comes when another client
-        acts: missing the window then says nothing about the server, and is not counted.
-        """
-        chunk = None
-        if timeout != 0:
-            try:
-                chunk = self._busy_poll.spin(self._recv_probe, timeout is None)
-            except OSError as exc:
-                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
-        if chunk is None:
-            chunk = self._recv_blocking(what, timeout)
-        if not chunk:
-            raise self._fail(f"{_CLOSED_TEXT} ({self.describe()}, during {what})")
-        self._rbuf += chunk
-
-    def _recv_blocking(self, what: str, timeout: Optional[float]) -> bytes:
-        """Block in poll(2) until the socket has data or the deadline passes; read it."""
-        limit = max(self._timeout_s, MIN_REPLY_DEADLINE) if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        poll = self._poller.poll
-        recv = self._sock.recv
-        left = limit
-        while True:
-            if left > 0:
-                # poll(2) counts whole milliseconds: round up, so a wait never ends early
-                poll(int(left * 1000) + 1)
-            try:
-                return recv(_RECV_SIZE)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
-            left = deadline - time.monotonic()
-            if left > 0:
-                continue
-            if timeout is not None:
-                raise _WaitTimedOut()
-            raise self._fail(
-                f"{self.describe()} did not answer {what} within {format_duration(limit)} "
-                f"(the store timeout); the connection is no longer usable")
-
-    def _read(self, n: int, what: str, timeout: Optional[float] = None) -> bytes:
-        buf = self._rbuf
-        while len(buf) < n:
-            self._recv(what, timeout)
-            timeout = None  # once the reply has started, the rest follows at once
-        out = bytes(buf[:n])
-        del buf[:n]
-        return out
-
-    def _read_u8(self, what: str, timeout: Optional[float] = None) -> int:
-        buf = self._rbuf
-        if not buf:
-            self._recv(what, timeout)
-        value = buf[0]
-        del buf[:1]
-        return value
-
-    def _read_i64(self, what: str) -> int:
-        buf = self._rbuf
-        while len(buf) < 8:
-            self._recv(what, None)
-        value = _i64(buf)[0]
-        del buf[:8]
-        return value
-
-    def _read_blob(self, what: str) -> bytes:
-        buf = self._rbuf
-        while len(buf) < 8:
-            self._recv(what, None)
-        end = 8 + _u64(buf)[0]
-        while len(buf) < end:
-            self._recv(what, None)
-        value = bytes(buf[8:end])
-        del buf[:end]
-        return value
-
-    def _await_wait(self, seconds: float, what: str, held_reply: Optional[Callable[[], object]] = None):
-        """Read the deferred STOP_WAITING of a WAIT/BARRIER sent with a ``seconds`` limit.
-
-        Returns ``(True, held)`` when the wait completed (``held`` = the reply of the request
-        pipelined behind it, if any) and ``(False, None)`` when it timed out and was cancelled.
-        On timeout it sends CANCEL_WAIT and reads torch's two-byte race: ``01`` (cancelled),
-        or ``00 01`` (the wait completed just before the cancel arrived; then it counts as
-        completed). Against a distlib server, the pipelined request's reply comes between.
-        """
-        buf = self._rbuf
-        if not buf:
-            try:
-                self._recv(what, seconds)
-            except _WaitTimedOut:
-                return self._cancel_timed_out_wait(what, held_reply)
-        code = buf[0]
-        del buf[:1]
-        if code != STOP_WAITING:
-            raise self._fail(f"Stop_waiting response is expected (got {code})")
-        return True, held_reply() if held_reply else None
-
-    def _cancel_timed_out_wait(self, what: str, held_reply: Optional[Callable[[], object]]):
-        """The wait's time is up: CANCEL_WAIT, then torch's two-byte race (_await_wait)."""
-        self._send(codec.bare_request(Op.CANCEL_WAIT))
-        code = self._read_u8(f"CANCEL_WAIT after {what}")
-        if code == STOP_WAITING:
-            held = held_reply() if held_reply else None
-            if self._read_u8(f"CANCEL_WAIT after {what}") != WAIT_CANCELED:
-                raise self._fail("wait_canceled response is expected")
-            return True, held
-        if code != WAIT_CANCELED:
-            raise self._fail(f"wait_canceled response is expected (got {code})")
-        if held_reply:
-            held_reply()
-        return False, None
 
     # -- keys ------------------------------------------------------------------------------------
 
@@ -529,9 +236,9 @@ class TCPStore(Store):
 
     # -- the Store API ---------------------------------------------------------------------------
 
-    # The hot paths (set, get, add, check, compare_set, wait) build their requests with one
-    # struct call and read short replies straight from the buffer; the bytes are
-    # codec.py's (tests/store/test_tcp_store.py pins them).
+    # Every request is built by codec.py's encoders (tests/store/test_tcp_store.py pins the
+    # bytes); the hot paths (set, get, add, check, compare_set, wait) read short replies
+    # straight from the buffer.
 
     def set(self, key: str, value: ValueLike) -> None:
         if type(key) is not str:
@@ -539,12 +246,11 @@ class TCPStore(Store):
         wire = ("/" + key).encode()
         if type(value) is not bytes:
             value = to_bytes(value)
-        n, m = len(wire), len(value)
-        if n > MAX_KEY_BYTES or m > MAX_VALUE_BYTES:
+        if len(wire) > MAX_KEY_BYTES or len(value) > MAX_VALUE_BYTES:
             self._wire(key), self._value(value)  # raise with the usual text
-        data = _OP_LEN(_SET, n) + wire + _pack_u64(m) + value
+        data = _encode_set(wire, value)
         with self._lock:
-            self._send(data)
+            self._send_unanswered(data, "SET")
 
     def get(self, key: str) -> bytes:
         wire = self._wire(key)
@@ -552,13 +258,12 @@ class TCPStore(Store):
         with self._lock:
             if not self._ordered:
                 return self._get_from_torch_server(wire, seconds)
-            n = len(wire)
-            self._send(_WAIT_ONE(_WAIT, 1, n) + wire + _OP_LEN(_GET, n) + wire)
+            self._send(_encode_wait_then_get(wire))
             buf = self._rbuf
             if not buf:
                 try:
                     self._recv("GET", seconds)
-                except _WaitTimedOut:
+                except WaitTimedOut:
                     done, value = self._cancel_timed_out_wait("GET", lambda: self._read_blob("GET"))
                     if not done:
                         raise self._timeout_error([wire], seconds) from None
@@ -579,7 +284,7 @@ class TCPStore(Store):
         does not exist (a compare_set that changed nothing); an empty value is re-checked."""
         deadline = Deadline(seconds)
         while True:
-            self._send(codec.keys_request(_WAIT, [wire]))
+            self._send(_encode_wait((wire,)))
             done, _ = self._await_wait(deadline.remaining(), "WAIT")
             if not done:
                 raise self._timeout_error([wire], seconds)
@@ -587,13 +292,13 @@ class TCPStore(Store):
             value = self._read_blob("GET")
             if value:
                 return value
-            self._send(codec.keys_request(Op.CHECK, [wire]))
+            self._send(_encode_check((wire,)))
             if self._read_u8("CHECK") == READY:
                 return value
 
     def add(self, key: str, amount: int) -> int:
         wire = self._wire(key)
-        data = _OP_LEN(_ADD, len(wire)) + wire + _pack_i64(int(amount))
+        data = _encode_add(wire, int(amount))
         with self._lock:
             self._send(data)
             return self._read_i64("ADD")
@@ -602,18 +307,13 @@ class TCPStore(Store):
         wire = self._wire(key)
         expected = self._value(expected_value, "expected_value")
         desired = self._value(desired_value, "desired_value")
-        data = (_OP_LEN(_CAS, len(wire)) + wire + _pack_u64(len(expected)) + expected
-                + _pack_u64(len(desired)) + desired)
+        data = codec.compare_set(wire, expected, desired)
         with self._lock:
             self._send(data)
             return self._read_blob("COMPARE_SET")
 
     def check(self, keys: List[str]) -> bool:
-        wires = self._wires(keys)
-        if len(wires) == 1:
-            data = _WAIT_ONE(_CHECK, 1, len(wires[0])) + wires[0]
-        else:
-            data = codec.keys_request(Op.CHECK, wires)
+        data = _encode_check(self._wires(keys))
         with self._lock:
             self._send(data)
             return self._read_u8("CHECK") == READY
@@ -621,10 +321,7 @@ class TCPStore(Store):
     def wait(self, keys: List[str], timeout: Optional[TimeoutLike] = None) -> None:
         wires = self._wires(keys)
         seconds = self._wait_seconds(timeout) if timeout is not None else self._timeout_s
-        if len(wires) == 1:
-            data = _WAIT_ONE(_WAIT, 1, len(wires[0])) + wires[0]
-        else:
-            data = codec.keys_request(Op.WAIT, wires)
+        data = _encode_wait(wires)
         with self._lock:
             self._send(data)
             done, _ = self._await_wait(seconds, "WAIT")
@@ -632,23 +329,23 @@ class TCPStore(Store):
             raise self._timeout_error(wires, seconds)
 
     def delete_key(self, key: str) -> bool:
-        data = codec.key_request(Op.DELETE_KEY, self._wire(key))
+        data = codec.delete_key(self._wire(key))
         with self._lock:
             self._send(data)
             return self._read_i64("DELETE_KEY") == 1
 
     def num_keys(self) -> int:
         with self._lock:
-            self._send(codec.bare_request(Op.GETNUMKEYS))
+            self._send(codec.getnumkeys())
             return self._read_i64("GETNUMKEYS")
 
     def has_extended_api(self) -> bool:
         return True
 
     def append(self, key: str, value: ValueLike) -> None:
-        data = codec.key_value_request(Op.APPEND, self._wire(key), self._value(value))
+        data = codec.append(self._wire(key), self._value(value))
         with self._lock:
-            self._send(data)
+            self._send_unanswered(data, "APPEND")
 
     def multi_get(self, keys: List[str]) -> List[bytes]:
         wires = self._wires(keys)
@@ -659,16 +356,16 @@ class TCPStore(Store):
 
         with self._lock:
             if self._ordered:
-                self._send(codec.keys_request(_WAIT, wires) + codec.keys_request(Op.MULTI_GET, wires))
+                self._send(codec.wait(wires) + codec.multi_get(wires))
                 done, values = self._await_wait(seconds, "MULTI_GET", read_values)
                 if not done:
                     raise self._timeout_error(wires, seconds)
                 return values
-            self._send(codec.keys_request(_WAIT, wires))
+            self._send(codec.wait(wires))
             done, _ = self._await_wait(seconds, "WAIT")
             if not done:
                 raise self._timeout_error(wires, seconds)
-            self._send(codec.keys_request(Op.MULTI_GET, wires))
+            self._send(codec.multi_get(wires))
             return read_values()
 
     def multi_set(self, keys: List[str], values: List[ValueLike]) -> None:
@@ -679,7 +376,7 @@ class TCPStore(Store):
                 f"multiSet keys and values vectors must be of same size ({len(wires)} keys, {len(values)} values)")
         data = codec.multi_set(wires, [self._value(v) for v in values])
         with self._lock:
-            self._send(data)
+            self._send_unanswered(data, "MULTI_SET")
 
     def _require_queues(self) -> None:
         if not self._use_libuv:
@@ -687,20 +384,20 @@ class TCPStore(Store):
 
     def queue_push(self, key: str, value: ValueLike) -> None:
         self._require_queues()
-        data = codec.key_value_request(Op.QUEUE_PUSH, self._wire(key), self._value(value))
+        data = codec.queue_push(self._wire(key), self._value(value))
         with self._lock:
-            self._send(data)
+            self._send_unanswered(data, "QUEUE_PUSH")
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         self._require_queues()
         wire = self._wire(key)
         with self._lock:
             if block:
-                self._send(codec.keys_request(_WAIT, [wire]))
+                self._send(codec.wait((wire,)))
                 done, _ = self._await_wait(self._timeout_s, "WAIT")
                 if not done:
                     raise self._timeout_error([wire], self._timeout_s)
-            self._send(codec.key_request(Op.QUEUE_POP, wire))
+            self._send(codec.queue_pop(wire))
             length = self._read_i64("QUEUE_POP")
             if length <= 0:
                 raise QueueEmptyError("queue is empty")
@@ -708,7 +405,7 @@ class TCPStore(Store):
 
     def queue_len(self, key: str) -> int:
         self._require_queues()
-        data = codec.key_request(Op.QUEUE_LEN, self._wire(key))
+        data = codec.queue_len(self._wire(key))
         with self._lock:
             self._send(data)
             return self._read_i64("QUEUE_LEN")
@@ -716,7 +413,7 @@ class TCPStore(Store):
     def list_keys(self) -> List[str]:
         """User keys (those a torch client wrote with its leading slash), slash removed."""
         with self._lock:
-            self._send(codec.bare_request(Op.LIST_KEYS))
+            self._send(codec.list_keys())
             count = self._read_i64("LIST_KEYS")
             raw = [self._read_blob("LIST_KEYS") for _ in range(count)]
         return [k[1:].decode("utf-8", "replace") for k in raw if k.startswith(b"/")]

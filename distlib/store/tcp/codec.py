@@ -60,9 +60,11 @@ collide with it): a distlib server answers READY without storing the key, a torc
 answers NOT_READY. With the capability, ``get`` is ``WAIT k`` + ``GET k`` in one write and
 one round trip instead of torch's two; without it, the client behaves exactly as torch's.
 
-Each layout has one encoder (``*_request``: the opcode and the fields, to bytes) and one
-decoder (``read_*``: the fields after the opcode at ``buf[p:end]``, to a tuple of the fields
-and the offset after them). A decoder checks each length against ``Limits`` as soon as the
+Each layout has one encoder and one decoder. The encoder is written once, as a factory
+(``*_encoder(op)``) that returns the encoder of one opcode's requests (its fields, to bytes):
+``ENCODERS`` holds one per opcode, and the named encoders a client calls (``set_``, ``get``,
+...) are those. The decoder (``read_*``) turns the fields after the opcode at
+``buf[p:end]`` into a tuple of the fields and the offset after them. A decoder checks each length against ``Limits`` as soon as the
 length field is there (so a huge length never makes the server wait for, or buffer, the
 bytes it announces) and raises ProtocolError over a limit; when the request has not fully
 arrived it returns None for each field and ``-need``: the number of bytes from the start of
@@ -151,10 +153,16 @@ class Limits:
 
 
 # -- encoders, one per layout ------------------------------------------------------------------
+#
+# Each factory returns the encoder of one opcode's requests, with the opcode bound in a closure:
+# the client's hot paths call it directly (one Python call per request, as cheap as packing
+# the bytes inline; docs/performance-log.md), and the layout is still written down once.
 
 _pack_u64 = U64.pack
 _pack_i64 = I64.pack
 _pack_op_u64 = OP_U64.pack
+_pack_op_u64_u64 = OP_U64_U64.pack
+_pack_op_u32 = OP_U32.pack
 
 
 def blob(data: bytes) -> bytes:
@@ -165,51 +173,70 @@ def blobs(items: Sequence[bytes]) -> bytes:
     return b"".join([_pack_u64(len(d)) + d for d in items])
 
 
-def bare_request(op: int) -> bytes:
-    """GETNUMKEYS, CANCEL_WAIT, LIST_KEYS: the opcode alone."""
-    return bytes((op,))
+def bare_encoder(op: int) -> Callable[[], bytes]:
+    """BARE (GETNUMKEYS, CANCEL_WAIT, LIST_KEYS): the opcode alone."""
+    request = bytes((op,))
+
+    def encode() -> bytes:
+        return request
+    return encode
 
 
-def u32_request(op: int, value: int) -> bytes:
-    """VALIDATE, PING."""
-    return OP_U32.pack(op, value & 0xFFFFFFFF)
+def u32_encoder(op: int) -> Callable[[int], bytes]:
+    """U32 (VALIDATE, PING): a u32."""
+    def encode(value: int) -> bytes:
+        return _pack_op_u32(op, value & 0xFFFFFFFF)
+    return encode
 
 
-def key_request(op: int, key: bytes) -> bytes:
-    """GET, DELETE_KEY, QUEUE_POP, QUEUE_LEN: one key blob."""
-    return _pack_op_u64(op, len(key)) + key
+def key_encoder(op: int) -> Callable[[bytes], bytes]:
+    """KEY (GET, DELETE_KEY, QUEUE_POP, QUEUE_LEN): one key blob."""
+    def encode(key: bytes) -> bytes:
+        return _pack_op_u64(op, len(key)) + key
+    return encode
 
 
-def key_value_request(op: int, key: bytes, value: bytes) -> bytes:
-    """SET, APPEND, QUEUE_PUSH: key blob then value blob."""
-    return _pack_op_u64(op, len(key)) + key + _pack_u64(len(value)) + value
+def key_value_encoder(op: int) -> Callable[[bytes, bytes], bytes]:
+    """KEY_VALUE (SET, APPEND, QUEUE_PUSH): key blob then value blob."""
+    def encode(key: bytes, value: bytes) -> bytes:
+        return _pack_op_u64(op, len(key)) + key + _pack_u64(len(value)) + value
+    return encode
 
 
-def key_i64_request(op: int, key: bytes, number: int) -> bytes:
-    """ADD (delta), BARRIER (world size): key blob then an i64."""
-    return _pack_op_u64(op, len(key)) + key + _pack_i64(number)
+def key_i64_encoder(op: int) -> Callable[[bytes, int], bytes]:
+    """KEY_I64 (ADD: the delta, BARRIER: the world size): key blob then an i64."""
+    def encode(key: bytes, number: int) -> bytes:
+        return _pack_op_u64(op, len(key)) + key + _pack_i64(number)
+    return encode
 
 
-def key_2blobs_request(op: int, key: bytes, expected: bytes, desired: bytes) -> bytes:
-    """COMPARE_SET: key blob, expected blob, desired blob."""
-    return (_pack_op_u64(op, len(key)) + key + _pack_u64(len(expected)) + expected
-            + _pack_u64(len(desired)) + desired)
+def key_2blobs_encoder(op: int) -> Callable[[bytes, bytes, bytes], bytes]:
+    """KEY_2BLOBS (COMPARE_SET): key blob, expected blob, desired blob."""
+    def encode(key: bytes, expected: bytes, desired: bytes) -> bytes:
+        return (_pack_op_u64(op, len(key)) + key + _pack_u64(len(expected)) + expected
+                + _pack_u64(len(desired)) + desired)
+    return encode
 
 
-def keys_request(op: int, keys: Sequence[bytes]) -> bytes:
-    """CHECK, WAIT, MULTI_GET: u64 count then the key blobs."""
-    if len(keys) == 1:
-        key = keys[0]
-        return OP_U64_U64.pack(op, 1, len(key)) + key
-    return _pack_op_u64(op, len(keys)) + blobs(keys)
+def keys_encoder(op: int) -> Callable[[Sequence[bytes]], bytes]:
+    """KEYS (CHECK, WAIT, MULTI_GET): u64 count then the key blobs (one key, the usual
+    case, in one struct call)."""
+    def encode(keys: Sequence[bytes]) -> bytes:
+        if len(keys) == 1:
+            key = keys[0]
+            return _pack_op_u64_u64(op, 1, len(key)) + key
+        return _pack_op_u64(op, len(keys)) + blobs(keys)
+    return encode
 
 
-def pairs_request(op: int, keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
-    """MULTI_SET: u64 count then (key blob, value blob) pairs."""
-    parts: List[bytes] = [_pack_op_u64(op, len(keys))]
-    for k, v in zip(keys, values):
-        parts.append(_pack_u64(len(k)) + k + _pack_u64(len(v)) + v)
-    return b"".join(parts)
+def pairs_encoder(op: int) -> Callable[[Sequence[bytes], Sequence[bytes]], bytes]:
+    """PAIRS (MULTI_SET): u64 count then (key blob, value blob) pairs."""
+    def encode(keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
+        parts: List[bytes] = [_pack_op_u64(op, len(keys))]
+        for k, v in zip(keys, values):
+            parts.append(_pack_u64(len(k)) + k + _pack_u64(len(v)) + v)
+        return b"".join(parts)
+    return encode
 
 
 # -- decoders, one per layout -------------------------------------------------------------------
@@ -429,22 +456,23 @@ MANY_KEY_OPS = frozenset((Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.MULTI_SET))
 
 
 class Layout(NamedTuple):
-    """One request layout: its fields after the opcode, its encoder and its decoder."""
+    """One request layout: its fields after the opcode, its encoder factory (opcode -> the
+    encoder of that opcode's requests) and its decoder."""
 
     name: str
     fields: Tuple[str, ...]
-    encode: Callable[..., bytes]
+    encoder: Callable[[int], Callable[..., bytes]]
     read: Callable
 
 
-BARE = Layout("BARE", (), bare_request, read_bare)
-U32_FIELD = Layout("U32", ("u32",), u32_request, read_u32)
-KEY = Layout("KEY", ("key",), key_request, read_key)
-KEY_VALUE = Layout("KEY_VALUE", ("key", "value"), key_value_request, read_key_value)
-KEY_I64 = Layout("KEY_I64", ("key", "i64"), key_i64_request, read_key_i64)
-KEY_2BLOBS = Layout("KEY_2BLOBS", ("key", "expected", "desired"), key_2blobs_request, read_key_2blobs)
-KEYS = Layout("KEYS", ("keys",), keys_request, read_keys)
-PAIRS = Layout("PAIRS", ("keys", "values"), pairs_request, read_pairs)
+BARE = Layout("BARE", (), bare_encoder, read_bare)
+U32_FIELD = Layout("U32", ("u32",), u32_encoder, read_u32)
+KEY = Layout("KEY", ("key",), key_encoder, read_key)
+KEY_VALUE = Layout("KEY_VALUE", ("key", "value"), key_value_encoder, read_key_value)
+KEY_I64 = Layout("KEY_I64", ("key", "i64"), key_i64_encoder, read_key_i64)
+KEY_2BLOBS = Layout("KEY_2BLOBS", ("key", "expected", "desired"), key_2blobs_encoder, read_key_2blobs)
+KEYS = Layout("KEYS", ("keys",), keys_encoder, read_keys)
+PAIRS = Layout("PAIRS", ("keys", "values"), pairs_encoder, read_pairs)
 
 #: Every request's layout, by opcode (the module docstring's table).
 REQUESTS: Dict[int, Layout] = {
@@ -470,9 +498,31 @@ REQUESTS: Dict[int, Layout] = {
 }
 
 
+def _named(op: Op) -> Callable[..., bytes]:
+    encode = REQUESTS[op].encoder(int(op))
+    encode.__name__ = encode.__qualname__ = op.name.lower()
+    encode.__doc__ = f"{op.name} ({REQUESTS[op].name}): {', '.join(REQUESTS[op].fields) or 'no fields'}, to bytes."
+    return encode
+
+
+#: The encoder of each opcode's requests (its layout's, with the opcode bound).
+ENCODERS: Dict[int, Callable[..., bytes]] = {op: _named(op) for op in REQUESTS}
+
+
 def encode(op: int, *fields) -> bytes:
     """The request ``op`` with ``fields`` (as its layout lists them)."""
-    return REQUESTS[op].encode(op, *fields)
+    return ENCODERS[op](*fields)
+
+
+# The two encoders by opcode that callers still pick at run time (the handshake, tests).
+
+
+def bare_request(op: int) -> bytes:
+    return ENCODERS[op]()
+
+
+def keys_request(op: int, keys: Sequence[bytes]) -> bytes:
+    return ENCODERS[op](keys)
 
 
 def decode(buf, pos: int, end: int, limits: Limits):
@@ -494,35 +544,36 @@ def request_end(buf, pos: int, end: int, limits: Limits) -> int:
 
 
 # -- the requests clients send, by name ----------------------------------------------------------
+#
+# The client (client.py) and the handshake build every request with these (ENCODERS' entries).
+
+_validate = ENCODERS[Op.VALIDATE]
+ping = ENCODERS[Op.PING]
+set_ = ENCODERS[Op.SET]
+compare_set = ENCODERS[Op.COMPARE_SET]
+get = ENCODERS[Op.GET]
+add = ENCODERS[Op.ADD]
+check = ENCODERS[Op.CHECK]
+wait = ENCODERS[Op.WAIT]
+getnumkeys = ENCODERS[Op.GETNUMKEYS]
+delete_key = ENCODERS[Op.DELETE_KEY]
+append = ENCODERS[Op.APPEND]
+multi_get = ENCODERS[Op.MULTI_GET]
+multi_set = ENCODERS[Op.MULTI_SET]
+cancel_wait = ENCODERS[Op.CANCEL_WAIT]
+queue_push = ENCODERS[Op.QUEUE_PUSH]
+queue_pop = ENCODERS[Op.QUEUE_POP]
+queue_len = ENCODERS[Op.QUEUE_LEN]
+list_keys = ENCODERS[Op.LIST_KEYS]
+barrier = ENCODERS[Op.BARRIER]
 
 
 def validate() -> bytes:
-    return u32_request(Op.VALIDATE, MAGIC)
+    """VALIDATE with torch's magic number: the first request of every connection."""
+    return _validate(MAGIC)
 
 
-def ping(nonce: int) -> bytes:
-    return u32_request(Op.PING, nonce)
-
-
-def set_(key: bytes, value: bytes) -> bytes:
-    return key_value_request(Op.SET, key, value)
-
-
-def get(key: bytes) -> bytes:
-    return key_request(Op.GET, key)
-
-
-def add(key: bytes, delta: int) -> bytes:
-    return key_i64_request(Op.ADD, key, delta)
-
-
-def compare_set(key: bytes, expected: bytes, desired: bytes) -> bytes:
-    return key_2blobs_request(Op.COMPARE_SET, key, expected, desired)
-
-
-def multi_set(keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
-    return pairs_request(Op.MULTI_SET, keys, values)
-
-
-def barrier(key: bytes, world_size: int) -> bytes:
-    return key_i64_request(Op.BARRIER, key, world_size)
+def wait_then_get(key: bytes) -> bytes:
+    """WAIT for one key, then GET it: distlib's one-round-trip get, for a server with the
+    ordered-wait capability (the module docstring)."""
+    return wait((key,)) + get(key)

@@ -15,7 +15,7 @@ import struct
 import time
 from typing import Any, Optional
 
-from .common import BenchError
+from .children import BenchError
 
 _HEADER = struct.Struct("!Q")
 

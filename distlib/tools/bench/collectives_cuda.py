@@ -40,13 +40,16 @@ from ..command import ToolError
 from ..sizes import format_size
 from . import collectives as cpu
 from .cases import Case
-from . import common
-from .common import BenchError, Child, Printer, Row, fmt_seconds
+from .children import BenchError, Child, run_child
+from .collectives_measure import CollectivesBench
+from .collectives_ops import MIB, SweepPoint, algbw_gbs, busbw_factor, op_size
+from .collectives_ranks import RankGroup, child_env, serve
+from .collectives_report import finish
+from .results import DISTLIB, TORCH, Row, implementations, load_targets
+from .tables import Printer, environment, fmt_seconds
 
-DISTLIB, TORCH = common.DISTLIB, common.TORCH
-MIB = cpu.MIB
 
-TARGETS = common.load_targets("collectives_cuda")
+TARGETS = load_targets("collectives_cuda")
 BUSBW = TARGETS["nccl_busbw"]
 LATENCY = TARGETS["nccl_latency"]
 #: The sizes of the targets: always measured when within --min-bytes .. --max-bytes.
@@ -75,7 +78,7 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
         return "--transport is about distlib's CPU shared memory: leave it out with --device cuda"
     if args.init_sizes:
         return "--init-sizes measures gloo's init on the CPU: leave it out with --device cuda"
-    return cpu._check_args(argparse.Namespace(**{**vars(args), "nproc": 2}))  # the CPU checks, but the ranks
+    return cpu.check_args(argparse.Namespace(**{**vars(args), "nproc": 2}))  # the CPU checks, but the ranks
 
 
 def placement(rank: int, world: int, devices: int, backend: str) -> Tuple[int, Dict[str, str]]:
@@ -179,9 +182,9 @@ def _init(impl: str, backend: str, device: _Device, timeout_s: float):
 
 def _cuda_rank_child(conn, impl: str, backend: str, rank: int, world: int, port: int, devices: int,
                      timeout_s: float) -> Dict[str, Any]:
-    """One rank: its GPU, init, then serve ("measure", ...) until "stop" (as collectives._rank_child)."""
+    """One rank: its GPU, init, then serve ("measure", ...) until "stop" (as collectives_ranks.rank_child)."""
     index, env = placement(rank, world, devices, backend)
-    cpu._child_env(env, rank, world, port)
+    child_env(env, rank, world, port)
     device = _Device(impl, index)
     dist = _init(impl, backend, device, timeout_s)
     conn.send(("ready", rank))
@@ -190,7 +193,7 @@ def _cuda_rank_child(conn, impl: str, backend: str, rank: int, world: int, port:
         case = _DeviceCase(Case(op, count, dtype, rank, world), device)
         return case, case.bind(dist)
 
-    return cpu.serve(conn, rank, dist, prepare, sync=device.synchronize)
+    return serve(conn, rank, dist, prepare, sync=device.synchronize)
 
 
 def _probe_child(conn, with_torch: bool) -> Dict[str, Any]:
@@ -214,7 +217,7 @@ def _probe_child(conn, with_torch: bool) -> Dict[str, Any]:
 # -- the sweep ----------------------------------------------------------------------------------
 
 
-class CudaCollectivesBench(cpu.CollectivesBench):
+class CudaCollectivesBench(CollectivesBench):
     """collectives.CollectivesBench with GPU ranks, the target sizes in every sweep, and the
     targets of the GPU run."""
 
@@ -223,9 +226,9 @@ class CudaCollectivesBench(cpu.CollectivesBench):
         self.backend = args.backend or "nccl"
         self.devices = devices
 
-    def _start_group(self, impl: str) -> cpu._Group:
+    def _start_group(self, impl: str) -> RankGroup:
         n, backend, devices, timeout = self.n, self.backend, self.devices, self.args.timeout
-        return cpu._Group(impl, n, timeout, lambda r, port: Child(
+        return RankGroup(impl, n, timeout, lambda r, port: Child(
             _cuda_rank_child, impl, backend, r, n, port, devices, timeout, name=f"{impl}-{backend}-cuda-rank-{r}"))
 
     def _plan(self) -> None:
@@ -234,9 +237,9 @@ class CudaCollectivesBench(cpu.CollectivesBench):
         if "all_reduce" not in self.args.ops:
             return
         for nbytes in TARGET_SIZES:
-            size, count = cpu.op_size("all_reduce", nbytes, self.itemsize, self.n)
+            size, count = op_size("all_reduce", nbytes, self.itemsize, self.n)
             if self.args.min_bytes <= nbytes <= self.args.max_bytes and ("all_reduce", size) not in have:
-                self.points.append(cpu._Point("all_reduce", size, count, Row("all_reduce", f"{size} B", "s", False),
+                self.points.append(SweepPoint("all_reduce", size, count, Row("all_reduce", f"{size} B", "s", False),
                                               {}))
         self.points.sort(key=lambda p: (self.args.ops.index(p.op), p.nbytes))
 
@@ -272,10 +275,10 @@ class CudaCollectivesBench(cpu.CollectivesBench):
             return "-"
         nbytes = BUSBW["applies"]["bytes"]
         if row.section == "all_reduce" and row.name == f"{nbytes} B":
-            algbw = cpu.algbw_gbs(nbytes, value)
+            algbw = algbw_gbs(nbytes, value)
             if self.n == 1:
                 return f"algbw {algbw:.1f} GB/s"
-            return f"{algbw * cpu.busbw_factor('all_reduce', self.n):.1f} GB/s"
+            return f"{algbw * busbw_factor('all_reduce', self.n):.1f} GB/s"
         return fmt_seconds(value)
 
 
@@ -291,9 +294,9 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         raise ToolError(problem, 2)
     say = Printer(args.quiet)
-    cpu._preload_distlib()
-    impls, torch_version, why_not = common.implementations(args.no_torch)
-    facts = common.run_child(_probe_child, TORCH in impls, timeout=args.timeout, name="cuda-probe")
+    cpu.preload_distlib()
+    impls, torch_version, why_not = implementations(args.no_torch)
+    facts = run_child(_probe_child, TORCH in impls, timeout=args.timeout, name="cuda-probe")
     if not facts.get("count"):
         raise ToolError(f"--device cuda needs a CUDA device: {facts.get('problem') or 'none found'}")
     if TORCH in impls and not facts.get("torch_devices"):
@@ -310,10 +313,10 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as exc:
         bench.failures.append(str(exc))
     wall = time.monotonic() - started
-    env = common.environment({"device": "cuda", "backend": backend, "gpus": facts["devices"],
+    env = environment({"device": "cuda", "backend": backend, "gpus": facts["devices"],
                               "cupy": facts.get("cupy"), "nccl": facts.get("nccl"),
                               "torch_nccl": facts.get("torch_nccl"), "driver": facts.get("driver")})
-    return cpu.finish(args, bench, impls, header(args, facts, impls, torch_version, why_not, env, wall), env, wall)
+    return finish(args, bench, impls, header(args, facts, impls, torch_version, why_not, env, wall), env, wall)
 
 
 def header(args: argparse.Namespace, facts: Dict[str, Any], impls, torch_version: Optional[str], why_not: str,

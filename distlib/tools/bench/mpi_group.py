@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .channel import Channel
-from .common import BenchError
+from .children import BenchError
 
 #: Seconds mpirun may take to answer ``--version``.
 _PROBE_S = 30

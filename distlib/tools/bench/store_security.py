@@ -36,7 +36,10 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 from distlib.net import raise_fd_limit
-from .common import Child, Printer, Row, Table, fmt_num, median, quantile, run_child, timed_loop
+from .children import Child, run_child
+from .results import Row
+from .tables import Printer, Table, fmt_num
+from .timing import median, quantile, timed_loop
 
 TOKEN = b"distlib-bench-token-" + b"x" * 24
 CONNECTS = 200

@@ -17,17 +17,25 @@ and the daemons start the ranks. This module makes the worker side and then ``ex
   owns the file on the host;
 * password, keyboard-interactive and host-based logins off; no forwarding of any kind.
 
-sshd writes its log to stderr (``-e``): the container's log shows each login.
+sshd writes its log to stderr (``-e``): the container's log shows each login. The lines of
+connections that close before they try to log in — the launcher's ``ssh-keyscan``, which is
+its readiness probe and fetches the host key, about 30 lines a run — are DEBUG lines:
+``log_filter`` drops them unless ``DISTLIB_LOG_LEVEL`` is DEBUG. A connection closed while
+logging in (``by authenticating user``, ``invalid user``) is kept.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import BinaryIO, List, Optional
+
+from distlib import settings
 
 from ..command import ToolError, run
 
@@ -42,6 +50,10 @@ SSHD = "/usr/sbin/sshd"
 #: The image's environment, for the commands mpirun runs over SSH (sshd starts them with a
 #: minimal PATH); `mpirun --prefix` adds the venv's bin/ and lib/ as well.
 REMOTE_PATH = "/opt/distlib/bin:/usr/local/bin:/usr/bin:/bin"
+
+
+#: sshd's line for a connection that closed before it tried to log in: a probe (ssh-keyscan).
+PROBE_LINE = re.compile(rb"^Connection (closed|reset) by [0-9A-Fa-f.:]+ port \d+ \[preauth\]\s*$")
 
 
 def log(text: str) -> None:
@@ -109,6 +121,41 @@ def prepare(directory: Path, authorized_keys: Path, user: str) -> Path:
     return config
 
 
+def shows_probes(level_name: str) -> bool:
+    """Whether the user's log level (DISTLIB_LOG_LEVEL) shows the probes' lines (DEBUG lines)."""
+    level = logging.getLevelName(level_name.strip().upper())
+    return isinstance(level, int) and level <= logging.DEBUG
+
+
+def log_filter(source: BinaryIO, sink: BinaryIO) -> int:
+    """Copy sshd's log from ``source`` to ``sink`` line by line, without the probes' lines
+    (``PROBE_LINE``); returns how many it dropped. Ends when ``source`` does (sshd exited)."""
+    dropped = 0
+    for line in source:
+        if PROBE_LINE.match(line):
+            dropped += 1
+            continue
+        sink.write(line)
+        sink.flush()
+    return dropped
+
+
+def filter_stderr() -> None:
+    """From here on this process's stderr (and so sshd's, after the exec) goes through
+    ``log_filter``, in a forked child that writes to the real stderr and ends with sshd."""
+    read_end, write_end = os.pipe()
+    if os.fork() == 0:  # the filter
+        os.close(write_end)
+        try:
+            with os.fdopen(read_end, "rb") as source, os.fdopen(os.dup(2), "wb") as sink:
+                log_filter(source, sink)
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+
 def command(config: Path) -> List[str]:
     """sshd in the foreground (-D), logging to stderr (-e)."""
     return [SSHD, "-D", "-e", "-f", str(config)]
@@ -130,6 +177,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ToolError(f"sshd rejects its configuration {config}: {check.stderr.strip()}")
         log(f"sshd for user {user} on port {SSH_PORT} (host key {config.parent}/host_ed25519_key.pub: "
             f"{(config.parent / 'host_ed25519_key.pub').read_text().split()[1][:24]}...)")
+        if not shows_probes(settings.log_level()):
+            filter_stderr()
         os.execv(argv[0], argv)
         return 127  # not reached
 

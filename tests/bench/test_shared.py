@@ -1,5 +1,5 @@
-"""distlib.tools.bench.common: the helpers every benchmark shares (tables, rows and targets,
-statistics, child processes, the targets file)."""
+"""What every benchmark shares (distlib.tools.bench: children.py, timing.py, results.py,
+tables.py): tables, rows and targets, statistics, child processes, the targets file."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import os
 
 import pytest
 
-from distlib.tools.bench import common
-from distlib.tools.bench.common import BenchError, Child, ChildError, Row, Table, Target
+from distlib.tools.bench import results, tables, timing
+from distlib.tools.bench.children import BenchError, Child, ChildError, run_child
+from distlib.tools.bench.results import Row, Target
+from distlib.tools.bench.tables import Table
 
 
 def test_table_aligns_text_left_and_numbers_right():
@@ -39,22 +41,22 @@ def test_table_rejects_a_wrong_number_of_cells():
     (float("nan"), "-"), (None, "-"),
 ])
 def test_fmt_num(value, text):
-    assert common.fmt_num(value) == text
+    assert tables.fmt_num(value) == text
 
 
 @pytest.mark.parametrize("seconds, text", [(45e-6, "45.0 us"), (0.0341, "34.1 ms"), (25.1, "25.1 s")])
 def test_fmt_seconds_picks_a_unit(seconds, text):
-    assert common.fmt_seconds(seconds) == text
+    assert tables.fmt_seconds(seconds) == text
 
 
 def test_quantile_median_spread_histogram():
-    assert common.median([3, 1, 2]) == 2
-    assert common.median([1, 2, 3, 4]) == 2.5
-    assert math.isnan(common.median([]))
-    assert common.quantile([0, 10], 0.9) == 9
-    assert common.spread([100, 125]) == pytest.approx(0.25)
-    assert common.spread([5]) == 0.0
-    hist = common.histogram([0.001, 0.05, 0.05, 5.0], ((0.01, "<10ms"), (0.1, "10-100ms"), (math.inf, ">=100ms")))
+    assert timing.median([3, 1, 2]) == 2
+    assert timing.median([1, 2, 3, 4]) == 2.5
+    assert math.isnan(timing.median([]))
+    assert timing.quantile([0, 10], 0.9) == 9
+    assert timing.spread([100, 125]) == pytest.approx(0.25)
+    assert timing.spread([5]) == 0.0
+    hist = timing.histogram([0.001, 0.05, 0.05, 5.0], ((0.01, "<10ms"), (0.1, "10-100ms"), (math.inf, ">=100ms")))
     assert hist == {"<10ms": 1, "10-100ms": 2, ">=100ms": 1}
 
 
@@ -66,26 +68,26 @@ def test_row_speedup_is_higher_is_better_whatever_the_unit():
     rate.add("torch", 20_000)
     assert rate.median("distlib") == 40_000 and rate.median("torch") == 15_000
     assert rate.speedup() == pytest.approx(40_000 / 15_000)
-    assert rate.result() == common.PASS
+    assert rate.result() == results.PASS
 
     time_row = Row("s", "barrier", "s", False, Target("faster", min_speedup=1.0))
     time_row.add("distlib", 0.050)
     time_row.add("torch", 0.040)
     assert time_row.speedup() == pytest.approx(0.8)  # torch / distlib: distlib is slower
-    assert time_row.result() == common.MISS
+    assert time_row.result() == results.MISS
 
 
 def test_row_results_without_a_reference_and_with_absolute_targets():
     relative = Row("s", "add", "ops/s", True, Target(">= 2x", min_speedup=2.0))
     relative.add("distlib", 1.0)
-    assert relative.result() == common.NOT_MEASURED  # no torch figures: not measurable
+    assert relative.result() == results.NOT_MEASURED  # no torch figures: not measurable
     bound = Row("s", "storm", "s", False, Target("within 1 s", max_value=1.0))
     bound.add("distlib", 0.2)
-    assert bound.result() == common.PASS
+    assert bound.result() == results.PASS
     bound.fail("distlib", "3 clients failed")
-    assert bound.result() == common.MISS
+    assert bound.result() == results.MISS
     doc = bound.to_json(["distlib"])
-    assert doc["distlib"]["error"] == "3 clients failed" and doc["result"] == common.MISS
+    assert doc["distlib"]["error"] == "3 clients failed" and doc["result"] == results.MISS
     assert Row("s", "untargeted", "ops/s", True).result() == ""
 
 
@@ -93,16 +95,16 @@ def test_a_target_on_the_excess_over_the_reference():
     """--backend mpi's latency target: distlib's time at most 15 us above raw mpi4py's."""
     row = Row("all_reduce", "4 B", "s", False, Target("<= raw mpi4py + 15 us", max_excess=15e-6))
     row.add("distlib", 20e-6)
-    assert row.result("distlib", "mpi4py") == common.NOT_MEASURED and math.isnan(row.excess("distlib", "mpi4py"))
+    assert row.result("distlib", "mpi4py") == results.NOT_MEASURED and math.isnan(row.excess("distlib", "mpi4py"))
     row.add("mpi4py", 6e-6)
-    assert row.excess("distlib", "mpi4py") == pytest.approx(14e-6) and row.result("distlib", "mpi4py") == common.PASS
+    assert row.excess("distlib", "mpi4py") == pytest.approx(14e-6) and row.result("distlib", "mpi4py") == results.PASS
     row.add("distlib", 30e-6)
     row.add("distlib", 40e-6)  # median 30 us: 24 us above
-    assert row.result("distlib", "mpi4py") == common.MISS
+    assert row.result("distlib", "mpi4py") == results.MISS
     assert row.to_json(["distlib", "mpi4py"], "mpi4py")["target"] == {"text": "<= raw mpi4py + 15 us",
                                                                       "max_excess": 15e-6}
     row.fail("mpi4py", "MPI job did not start")
-    assert math.isnan(row.excess("distlib", "mpi4py")) and row.result("distlib", "mpi4py") == common.NOT_MEASURED
+    assert math.isnan(row.excess("distlib", "mpi4py")) and row.result("distlib", "mpi4py") == results.NOT_MEASURED
 
 
 def test_row_json_has_rounds_medians_and_nulls_for_nan():
@@ -122,7 +124,7 @@ def test_paired_ratio_cancels_a_drift_both_sides_saw():
     drift = [1.0, 3.0, 1.2, 2.5, 0.9, 2.8, 1.1, 3.1, 1.0, 2.9] * 3
     distlib = [0.05 * d for d in drift]
     torch = [0.055 * d for d in drift]
-    paired = common.paired_ratio(torch, distlib)
+    paired = timing.paired_ratio(torch, distlib)
     assert paired.pairs == 30
     assert paired.median == pytest.approx(1.1)
     assert paired.low == pytest.approx(1.1) and paired.high == pytest.approx(1.1)
@@ -131,33 +133,33 @@ def test_paired_ratio_cancels_a_drift_both_sides_saw():
 def test_paired_ratio_interval_covers_noise_and_is_reproducible():
     torch = [1.00, 1.10, 0.95, 1.20, 0.90, 1.05, 1.15, 0.85, 1.00, 1.10]
     distlib = [1.0] * 10
-    a = common.paired_ratio(torch, distlib)
+    a = timing.paired_ratio(torch, distlib)
     assert a.low < a.median < a.high
     assert a.low >= 0.85 and a.high <= 1.20
-    assert common.paired_ratio(torch, distlib) == a  # fixed seed: the same numbers give the same interval
+    assert timing.paired_ratio(torch, distlib) == a  # fixed seed: the same numbers give the same interval
     assert a.to_json() == {"median": a.median, "ci95": [a.low, a.high], "pairs": 10}
 
 
 def test_paired_ratio_of_nothing_is_nan_with_no_pairs():
-    empty = common.paired_ratio([], [])
+    empty = timing.paired_ratio([], [])
     assert empty.pairs == 0 and math.isnan(empty.median)
     assert empty.to_json() == {"median": None, "ci95": [None, None], "pairs": 0}
-    assert common.paired_ratio([1.0, 0.0], [0.0, 1.0]).pairs == 0  # a zero time is no measurement
+    assert timing.paired_ratio([1.0, 0.0], [0.0, 1.0]).pairs == 0  # a zero time is no measurement
 
 
 def test_interleaved_order():
-    assert common.interleaved(2, ["a", "b"]) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    assert timing.interleaved(2, ["a", "b"]) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
 
 
 def test_timed_loop_counts_and_times_calls():
     calls = []
-    result = common.timed_loop(calls.append, 0.01, batch=8)
+    result = timing.timed_loop(calls.append, 0.01, batch=8)
     assert result.ops == len(calls) and result.ops % 8 == 0 and result.ops >= 8
     assert len(result.latencies) == result.ops and result.rate > 0
 
 
 def test_environment_names_the_machine():
-    env = common.environment({"extra": 1})
+    env = tables.environment({"extra": 1})
     assert env["nproc"] == os.cpu_count() and env["python"] and env["extra"] == 1
     assert "distlib" in env and "torch" in env
 
@@ -203,7 +205,7 @@ def test_child_that_hangs_times_out_and_is_stopped():
 
 
 def test_run_child_returns_the_result():
-    assert common.run_child(_echo_now, 5, timeout=30) == 10
+    assert run_child(_echo_now, 5, timeout=30) == 10
 
 
 def _echo_now(conn, x):
@@ -214,13 +216,13 @@ def _echo_now(conn, x):
 
 
 def test_the_shipped_targets_load_for_both_benchmarks():
-    store = common.load_targets("store")
+    store = results.load_targets("store")
     assert store["single_client"]["get"] == Target(">= 2x torch", min_speedup=2.0)
     assert store["connect_storm"]["applies"] == {"min_clients": 256}
     assert store["connect_storm"]["target"].max_value == 1.0
-    coll = common.load_targets("collectives")
+    coll = results.load_targets("collectives")
     assert coll["all_reduce_busbw"]["shm"].min_speedup == 2.0 and coll["init_absolute"]["applies"] == {"ranks": 32}
-    mpi = common.load_targets("collectives_mpi")
+    mpi = results.load_targets("collectives_mpi")
     assert mpi["all_reduce_busbw"]["target"].min_speedup == 0.95
     assert mpi["all_reduce_busbw"]["applies"] == {"bytes": 64 << 20, "ranks": [2, 4], "dtype": "float32"}
     assert mpi["all_reduce_latency"]["target"].max_excess == 15e-6
@@ -231,7 +233,7 @@ def test_targets_come_from_the_file(tmp_path):
     path.write_text(json.dumps({"store": {"barrier": {"text": "at most 5 ms", "max_value": 0.005},
                                           "concurrent_clients": {"applies": {"clients": 8},
                                                                  "target": {"text": ">= 3x", "min_speedup": 3}}}}))
-    loaded = common.load_targets("store", path)
+    loaded = results.load_targets("store", path)
     assert loaded["barrier"] == Target("at most 5 ms", max_value=0.005)
     assert loaded["concurrent_clients"] == {"applies": {"clients": 8}, "target": Target(">= 3x", min_speedup=3.0)}
 
@@ -247,15 +249,15 @@ def test_a_malformed_target_names_the_file_and_the_entry(tmp_path, entry, words)
     path = tmp_path / "targets.json"
     path.write_text(json.dumps({"store": {"barrier": entry}}))
     with pytest.raises(BenchError, match=rf"{path}: store\.barrier: .*{words}"):
-        common.load_targets("store", path)
+        results.load_targets("store", path)
 
 
 def test_a_missing_or_broken_targets_file_is_a_clear_error(tmp_path):
     with pytest.raises(BenchError, match="cannot read the benchmark targets"):
-        common.load_targets("store", tmp_path / "none.json")
+        results.load_targets("store", tmp_path / "none.json")
     (tmp_path / "t.json").write_text("{")
     with pytest.raises(BenchError, match="cannot read the benchmark targets"):
-        common.load_targets("store", tmp_path / "t.json")
+        results.load_targets("store", tmp_path / "t.json")
     (tmp_path / "t.json").write_text("{}")
     with pytest.raises(BenchError, match="has no targets for 'store'"):
-        common.load_targets("store", tmp_path / "t.json")
+        results.load_targets("store", tmp_path / "t.json")
