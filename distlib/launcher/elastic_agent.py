@@ -83,7 +83,7 @@ class ElasticAgent:
             path = str(self.resolved.rdzv_file.value)
             os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
 
-            def connect_file() -> Store:
+            def connect_file(_seconds: float) -> Store:
                 store = FileStore(path)
                 store.set_timeout(conf.timeout)
                 return store
@@ -97,7 +97,7 @@ class ElasticAgent:
             log.warning("this agent hosts the rendezvous store at %s in-process: if this node is lost, every node "
                         "fails with it. An elastic job should have a master service of its own (distlib "
                         "store-server) or a file:// endpoint", format_endpoint(host, port))
-        return lambda: TCPStore(host, port, None, False, conf.timeout)
+        return lambda seconds: TCPStore(host, port, None, False, seconds)
 
     def _identity(self, address: str) -> None:
         host = socket.gethostname()
@@ -174,9 +174,9 @@ class ElasticAgent:
         try:
             connect = self._connector()
             patience = self.plan.conf.heartbeat_bound
-            rounds = RoundStore(connect, self.run_id, patience)
+            rounds = RoundStore(connect, self.run_id, patience, self.plan.conf.timeout)
             self._identity(rounds.local_address() or _own_address())
-            heart = Heartbeat(RoundStore(connect, self.run_id, patience), self.node,
+            heart = Heartbeat(RoundStore(connect, self.run_id, patience, self.plan.conf.timeout), self.node,
                               self.plan.conf.keep_alive_interval).start()
             status = self._loop(rounds, heart)
         except StoreGone as exc:

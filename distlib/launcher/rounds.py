@@ -194,9 +194,11 @@ def close(state: JobState) -> JobState:
     """Close the joining round: node ranks, a history record, running."""
     members = state.joined[:state.max_nodes]
     ranks = assign_ranks(members, state.ranks, {n: state.nodes[n].hint for n in members})
+    absent = tuple(f"node did not come back: {state.describe(n)} (not in round {state.round} by its last call)"
+                   for n in state.expected if n not in state.joined)
     closed = replace(state, phase=RUNNING, ranks=ranks, joined=(), expected=(), done=(),
-                     waiting=state.joined[state.max_nodes:] + state.waiting)
-    record = RoundRecord(state.round, state.causes, ranks, closed.world_size())
+                     waiting=state.joined[state.max_nodes:] + state.waiting, causes=absent + state.causes)
+    record = RoundRecord(state.round, closed.causes, ranks, closed.world_size())
     return replace(closed, history=state.history + (record,))
 
 

@@ -47,15 +47,16 @@ def key_prefix(run_id: str) -> str:
 class RoundStore:
     """One agent's access to the job's state and heartbeats (module docstring).
 
-    ``connect`` makes a new client of the store: the first at once, another after a failure
-    (a TCPStore client whose connection broke stays broken).
+    ``connect(seconds)`` makes a new client of the store, waiting at most ``seconds`` for it:
+    the first at once (``first_wait``), another after a failure, within what is left of the
+    patience (a TCPStore client whose connection broke stays broken).
     """
 
-    def __init__(self, connect: Callable[[], Store], run_id: str, patience: float):
+    def __init__(self, connect: Callable[[float], Store], run_id: str, patience: float, first_wait: float):
         self._connect = connect
         self._prefix = key_prefix(run_id)
         self.patience = patience
-        self._store: Optional[Store] = connect()
+        self._store: Optional[Store] = connect(first_wait)
         self.where = self._store.describe()
 
     # -- store calls, retried -------------------------------------------------------------------------
@@ -66,7 +67,7 @@ class RoundStore:
         while True:
             try:
                 if self._store is None:
-                    self._store = self._connect()
+                    self._store = self._connect(max(0.1, self.patience - (time.monotonic() - started)))
                 return fn(self._store)
             except (DistError, OSError) as exc:
                 self._drop_client()

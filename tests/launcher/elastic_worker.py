@@ -9,8 +9,8 @@ Environment (besides distlib-run's):
 * ``EW_STEPS`` (default 20), ``EW_STEP_S`` (default 0.05): all_reduces, and the pause after each.
 * ``EW_CRASH``: ``ROUND:RANK`` pairs (``0:2,1:0``); that worker exits with status 3 after its
   first all_reduce. ``*`` for the round crashes in every round.
-* ``EW_MARK``: a directory where each worker touches ``started-<restart count>-<rank>`` once its
-  first all_reduce is done (tests wait on it instead of sleeping).
+* ``EW_MARK``: a directory where each worker writes ``started-<restart count>-<rank>`` (holding its
+  agent's pid) once its first all_reduce is done: tests wait on it instead of sleeping.
 """
 
 import json
@@ -47,7 +47,10 @@ def main() -> int:
         if step == 0:
             mark = os.environ.get("EW_MARK")
             if mark:
-                open(os.path.join(mark, f"started-{restart}-{rank}"), "w").close()
+                with open(os.path.join(mark, f"started-{restart}-{rank}.tmp"), "w") as f:
+                    f.write(str(os.getppid()))
+                os.replace(os.path.join(mark, f"started-{restart}-{rank}.tmp"),
+                           os.path.join(mark, f"started-{restart}-{rank}"))
             if crashes(os.environ.get("EW_CRASH", ""), restart, rank):
                 print(f"elastic_worker: rank {rank} crashing on purpose in round {restart}", file=sys.stderr, flush=True)
                 os._exit(3)

@@ -239,6 +239,13 @@ def test_a_node_with_other_limits_is_told_which():
 
 
 def test_the_restart_line_names_round_cause_and_world():
-    state = R.close(joined(R.restart(running(), 0, ("node lost: host-a",)), "b", "c"))
+    state = R.close(joined(R.drop(running(), "a", "node lost: host-a"), "b", "c"))
     line = R.round_line(state, "c")
     assert line.startswith("round 1 (restart 1 of at most 3): node lost: host-a; now 2 node(s), world size 4")
+
+
+def test_a_round_closed_without_an_expected_node_says_so():
+    state = joined(R.restart(running(), 0, ("worker failed",)), "a", "b")
+    state = R.close(state)
+    assert state.causes[0] == "node did not come back: host-c (10.0.0.3, pid 102) (not in round 1 by its last call)"
+    assert state.history[-1].causes == state.causes
