@@ -10,8 +10,8 @@ It does what ``rounds.decide`` says, against the state ``rounds_store.RoundStore
   reported as in a fixed-size run); all of them done marks the node finished;
 * watches the others' heartbeats (a thread beats for this node): a node silent for longer than
   the bound is dropped, which restarts a running round;
-* a new round (any node's restart) stops this node's workers and joins it; when it closes,
-  every node prints one line: the round, the cause, the new world size;
+* a new round (any node's restart) stops this node's workers and joins it; when a round
+  closes, every node prints one line: the round, the cause, the new world size;
 * SIGTERM/SIGINT/SIGHUP: the workers get the signal (SIGKILL after the grace period) and this
   node leaves the job, which the others see at once (no waiting for its heartbeat to stop);
   the rendezvous is never closed for the others (torch #123678, #67742);
@@ -126,11 +126,7 @@ class ElasticAgent:
             self.workers.append(Worker(local, first + local, argv, round_env(self.environ, self.resolved, where, init),
                                        self.output, state.round, self.role))
         self.running_round = state.round
-        if state.round > 0:
-            say(R.round_line(state, self.node))
-        else:
-            log.info("round 0: %d node(s), world size %d; this node: node rank %d, global ranks %d..%d",
-                     len(state.ranks), state.world_size(), node_rank, first, first + nproc - 1)
+        say(R.round_line(state, self.node))
         for w in self.workers:
             try:
                 w.start()

@@ -148,7 +148,8 @@ def make_job(tmp_path):
 
 
 def round_lines(text: str) -> List[str]:
-    return re.findall(r"^distlib-run: (round \d+ \(restart .*)$", text, re.M)
+    """An agent's lines for the rounds after the first (each round's one line)."""
+    return re.findall(r"^distlib-run: (round [1-9]\d* \(restart .*)$", text, re.M)
 
 
 # -- restarts and the job's count -----------------------------------------------------------------------
