@@ -1,5 +1,7 @@
 """Elastic runs of the Compose cluster: ``MIN_NODES``/``MAX_RESTARTS`` (compose/elastic.yml),
 ``distlib cluster kill`` (``make cluster-kill NODE=2``), and the rounds in the run's report.
+``MAX_NODES`` (default ``NODES``) leaves room for worker containers started later, which join
+at the next round.
 
 ``NODES=3 MIN_NODES=2 MAX_RESTARTS=3 make cluster-up`` runs the workers with ``distlib-run
 --nnodes 2:3 --max-restarts 3`` (compose_node.py). Every agent prints one line per round
@@ -35,6 +37,8 @@ class ElasticCluster:
 
     min_nodes: int
     max_restarts: int
+    #: the most nodes a round may have (MAX_NODES; default NODES): room for containers started later
+    max_nodes: int = 0
     passed_on: Tuple[Tuple[str, str], ...] = ()
 
     @classmethod
@@ -42,8 +46,11 @@ class ElasticCluster:
         """None unless MIN_NODES or MAX_RESTARTS asks for an elastic job; ToolError (status 2) for bad values."""
         min_text = env.get("MIN_NODES", "").strip()
         restarts_text = env.get("MAX_RESTARTS", "").strip()
-        if not min_text and not restarts_text:
+        max_text = env.get("MAX_NODES", "").strip()
+        if not min_text and not restarts_text and not max_text:
             return None
+        if max_text and (not max_text.isdigit() or int(max_text) < nodes):
+            raise ToolError(f"MAX_NODES={max_text}: the most nodes a round may have, at least NODES={nodes}", 2)
         if min_text and (not min_text.isdigit() or not 1 <= int(min_text) <= nodes):
             raise ToolError(f"MIN_NODES={min_text}: the fewest nodes the job runs with, from 1 to NODES={nodes}", 2)
         if restarts_text and not restarts_text.isdigit():
@@ -51,14 +58,12 @@ class ElasticCluster:
         if mode not in ("tcp", "file", "nfs"):
             raise ToolError(f"MIN_NODES/MAX_RESTARTS with MODE={mode}: an elastic job needs MODE=tcp (the master "
                             "service holds the rounds) or file/nfs (a shared file does)", 2)
-        return cls(int(min_text) if min_text else nodes, int(restarts_text or "0"),
+        return cls(int(min_text) if min_text else nodes, int(restarts_text or "0"), int(max_text or nodes),
                    tuple((k, env[k]) for k in PASSED_ON if env.get(k, "").strip()))
 
     def compose_variables(self) -> Dict[str, str]:
-        return {"MIN_NODES": str(self.min_nodes), "MAX_RESTARTS": str(self.max_restarts), **dict(self.passed_on)}
-
-    def describe(self, nodes: int) -> str:
-        return f"elastic: --nnodes {self.min_nodes}:{nodes} --max-restarts {self.max_restarts}"
+        return {"MIN_NODES": str(self.min_nodes), "MAX_NODES": str(self.max_nodes),
+                "MAX_RESTARTS": str(self.max_restarts), **dict(self.passed_on)}
 
 
 def say(text: str) -> None:
