@@ -210,7 +210,7 @@ def up(cfg: Settings) -> int:
     _stop([c for c in engine.project_containers(client, run.project) if c not in job])  # master, nfs, mpi workers
     judged = job + ended_early
     if cfg.elastic:  # the rounds; a worker the job declared lost is not its failure
-        judged = elastic.conclude(workers, judged)
+        judged = elastic.conclude(engine.project_containers(client, run.project, "worker"), judged)
     return _conclude(cfg, run, workers, judged, status, time.monotonic() - started)
 
 
