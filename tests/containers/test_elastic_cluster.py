@@ -69,11 +69,21 @@ class Cluster:
             if self.proc.poll() is not None:
                 self.finish(0)
                 raise AssertionError(f"`up` ended while waiting for {what}:\n{self.stderr[-4000:]}")
-            if sum(bool(re.search(pattern, engine.logs_text(w), re.M)) for w in self.workers()) >= count:
+            if sum(bool(re.search(pattern, self._logs(w), re.M)) for w in self.workers()) >= count:
                 return time.monotonic()
             time.sleep(0.3)
         raise AssertionError(f"no {what} within {timeout} s:\n" +
                              "\n".join(engine.logs_text(w)[-1500:] for w in self.workers()))
+
+    @staticmethod
+    def _logs(container) -> str:
+        """A container's log; "" for one that went away between listing and reading."""
+        import docker
+
+        try:
+            return engine.logs_text(container)
+        except docker.errors.NotFound:
+            return ""
 
     def kill(self, number: int) -> str:
         done = run_cluster("kill", self.state_dir, NODE=str(number))

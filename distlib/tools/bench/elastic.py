@@ -87,7 +87,7 @@ def _free_port() -> int:
 
 
 class HostRun:
-    """One run of three agents as host processes, each in its own process group."""
+    """One run of three agents as host processes; a node's loss kills its whole process tree."""
 
     def __init__(self, launcher: str, torch_python: str, case: str, workdir: Path):
         self.launcher, self.case, self.dir = launcher, case, workdir
@@ -132,24 +132,48 @@ class HostRun:
     def lose(self) -> float:
         """The loss: node 2 (not the store's host) killed with its workers, or the crash's time."""
         if self.case == "node-loss":
+            victims = descendants(self.agents[2].pid)  # torchrun's workers outlive their agent
             when = time.time()
-            os.killpg(self.agents[2].pid, signal.SIGKILL)
+            for pid in [self.agents[2].pid] + victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             return when
         _wait(lambda: (self.out / "crash").exists(), 60, "the worker's crash", self)
         return float((self.out / "crash").read_text())
 
     def stop(self) -> None:
         for proc in self.agents:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for pid in [proc.pid] + descendants(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait(10)
         if self.server is not None:
             self.server.stop()
 
     def logs(self) -> str:
         return "\n".join((self.dir / f"agent{i}.log").read_text()[-4000:] for i in range(len(self.agents)))
+
+
+def descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (from /proc): a node's whole tree, whatever sessions it made."""
+    parents: Dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
 
 
 def _wait(ready: Callable[[], bool], timeout: float, what: str, run) -> None:
