@@ -82,7 +82,8 @@ def dry_run_text(resolved: Resolved, program: Program, plan: Optional[ElasticPla
             init = (f"file://{resolved.rdzv_file.value}.{resolved.run_id.value}.attempt_0"
                     if resolved.rdzv_file is not None else None)
             env = torchrun_env(resolved, Placement(node * nproc + local_rank, local_rank, resolved.world_size, node,
-                                                   resolved.nnodes.value, nproc, 0, plan.max_restarts), init)
+                                                   resolved.nnodes.value, nproc, 0, plan.max_restarts), init,
+                               agent_store=init is None)
         else:
             env = worker_env(resolved, local_rank)
         lines += ["", f"worker local rank {local_rank}:"] + [f"  {k}={v}" for k, v in env.items()]

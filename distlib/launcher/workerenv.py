@@ -72,11 +72,13 @@ class Placement:
     role: str = "default"
 
 
-def torchrun_env(resolved: Resolved, where: Placement, init_method: Optional[str] = None) -> Dict[str, str]:
+def torchrun_env(resolved: Resolved, where: Placement, init_method: Optional[str] = None,
+                 agent_store: Optional[bool] = None) -> Dict[str, str]:
     """torchrun's variables for one worker at ``where`` (module docstring); ``init_method``
-    replaces MASTER_ADDR/MASTER_PORT (an elastic job's file store of the round)."""
+    replaces MASTER_ADDR/MASTER_PORT (an elastic job's file store of the round). ``agent_store``:
+    whether the store already runs (default: with c10d); an elastic job's always does."""
     run_id = str(resolved.run_id.value)
-    external = resolved.c10d
+    external = resolved.c10d if agent_store is None else agent_store
     env = {
         "RANK": str(where.rank),
         "LOCAL_RANK": str(where.local_rank),
@@ -125,6 +127,6 @@ def round_env(base: Mapping[str, str], resolved: Resolved, where: Placement,
     if init_method is not None:
         env.pop("MASTER_ADDR", None)
         env.pop("MASTER_PORT", None)
-    env.update(torchrun_env(resolved, where, init_method))
+    env.update(torchrun_env(resolved, where, init_method, agent_store=init_method is None))
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     return env

@@ -352,3 +352,24 @@ def test_nodes_started_with_other_limits_are_refused(make_job, tcp_endpoint, tmp
                            env=job.env, capture_output=True, text=True, timeout=60)
     assert other.returncode == 1
     assert "this node was started with --nnodes 2:4 --max-restarts 1, but the job runs with --nnodes 2:3" in other.stderr
+
+
+def test_static_with_max_restarts_restarts_a_fixed_set_of_nodes(make_job, tmp_path):
+    """--rdzv-backend static --max-restarts 1: the agent at --master-addr:--master-port hosts the
+    store (torch's static rendezvous with an agent store); a crash restarts both nodes, each
+    keeping the node rank it was given, and the workers are clients of the agent's store."""
+    from tests.fixtures.ports import free_port
+
+    port = free_port()
+    job = make_job("unused", "static", "2", 1, EW_CRASH="0:1")
+    base = [a for a in job.args if a not in ("--rdzv-backend", "c10d", "--rdzv-endpoint", "unused")]
+    job.args = base + ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    job.args += ["--node-rank", "1"]
+    job.start(1)
+    job.args[-1] = "0"
+    job.start(1)
+    assert set(job.wait().values()) == {0}, [job.log(a)[-3000:] for a in job.agents]
+    records = job.records(1)
+    assert {r["agent"]: r["env"]["GROUP_RANK"] for r in records.values()} == {
+        job.agents[0].pid: "1", job.agents[1].pid: "0"}
+    assert all(r["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True" and r["sum"] == 2.0 for r in records.values())
