@@ -93,7 +93,10 @@ class ElasticAgent:
 
         host, port = str(self.resolved.master_addr.value), int(self.resolved.master_port.value)
         self.hosted = ensure_master_service(host, port, self.rdzv_timeout)
-        if self.hosted is not None:
+        if self.hosted is not None and port == 0:  # --standalone: a private store on a free port
+            port = self.hosted.port
+            self.resolved = self.resolved.with_master_port(port, "a free port (this agent hosts the store)")
+        elif self.hosted is not None:
             log.warning("this agent hosts the rendezvous store at %s in-process: if this node is lost, every node "
                         "fails with it. An elastic job should have a master service of its own (distlib "
                         "store-server) or a file:// endpoint", format_endpoint(host, port))

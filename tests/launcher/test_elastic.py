@@ -373,3 +373,17 @@ def test_static_with_max_restarts_restarts_a_fixed_set_of_nodes(make_job, tmp_pa
     assert {r["agent"]: r["env"]["GROUP_RANK"] for r in records.values()} == {
         job.agents[0].pid: "1", job.agents[1].pid: "0"}
     assert all(r["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True" and r["sum"] == 2.0 for r in records.values())
+
+
+def test_standalone_with_max_restarts_restarts_the_node(tmp_path):
+    """One node, a private store on a free port: a crash restarts the node's workers, with
+    TORCHELASTIC_RESTART_COUNT=1 and the store's real port."""
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(launcher_cmd("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", WORKER),
+                          env=clean_env(EW_OUT=str(out), EW_CRASH="0:1", EW_STEPS="5"), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = {p.name: json.loads(p.read_text()) for p in out.glob("1-*.json")}
+    assert sorted(records) == ["1-0.json", "1-1.json"]
+    assert all(r["env"]["MASTER_PORT"] not in ("0", None) and r["sum"] == 2.0 for r in records.values())
