@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from ..deadline import Deadline, format_duration
-from .output import STDERR, STDOUT, OutputSpec, Pump, console_for, write_lines
+from .output import STDERR, STDOUT, OutputSpec, Pump, console_for, read_error_file, write_lines
 
 log = logging.getLogger("distlib.launcher")
 
@@ -131,9 +131,17 @@ class Worker:
         """The last lines it wrote to stderr."""
         return list(self.pumps[-1].tail) if self.pumps else []
 
+    @property
+    def error_file(self) -> Optional[str]:
+        return self.output.error_file(self.local_rank, self.attempt)
+
     def start(self) -> None:
+        env = dict(self.env)
+        if self.error_file:
+            os.makedirs(os.path.dirname(self.error_file), exist_ok=True)
+            env["TORCHELASTIC_ERROR_FILE"] = self.error_file
         self.proc = subprocess.Popen(
-            list(self.argv), env=dict(self.env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            list(self.argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=_child_setup(os.getpid()) if _PRCTL else None,
         )
         prefix = self.output.prefix(self.global_rank, self.local_rank, self.role)
@@ -225,6 +233,9 @@ def failure_report(worker: Worker, where: str, others: Sequence[Worker]) -> str:
     code = worker.poll()
     lines = [f"worker failed: {worker.name} on {where} {describe_status(code)}",
              f"command: {' '.join(worker.argv)} (pid {worker.proc.pid})"]
+    recorded = read_error_file(worker.error_file)
+    if recorded:
+        lines.append(f"its error file ({worker.error_file}, written by @record): {recorded}")
     tail = list(worker.tail)
     if tail:
         lines.append(f"last {len(tail)} line(s) of its stderr:")

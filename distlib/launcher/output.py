@@ -116,6 +116,31 @@ class OutputSpec:
         return shown, path
 
 
+    def error_file(self, local_rank: int, attempt: int) -> Optional[str]:
+        """``TORCHELASTIC_ERROR_FILE`` of a worker, when there is a log directory (torch's
+        ``@record`` writes the worker's exception there as JSON)."""
+        if not self.log_dir:
+            return None
+        return os.path.join(self.log_dir, f"attempt_{attempt}", str(local_rank), "error.json")
+
+
+def read_error_file(path: Optional[str]) -> Optional[str]:
+    """The message a worker's ``@record`` left in its error file, or None."""
+    import json
+
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        message = data.get("message", data)
+        if isinstance(message, dict):
+            message = message.get("message", message)
+        return str(message)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def run_log_dir(base: Optional[str], run_id: str) -> str:
     """Make this launch's log directory: ``<base>/<run id>_<random>`` (a temporary base when None)."""
     base = base or tempfile.mkdtemp(prefix="distlib-run-logs-")

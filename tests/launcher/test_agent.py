@@ -421,3 +421,20 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=10)
+
+
+def test_a_workers_error_file_is_quoted_in_the_failure_report(tmp_path):
+    """With a log directory each worker gets TORCHELASTIC_ERROR_FILE; what torch's @record writes
+    there (JSON, its format) is quoted when the worker fails."""
+    script = write(tmp_path, "rec.py", textwrap.dedent("""
+        import json, os, sys
+        path = os.environ["TORCHELASTIC_ERROR_FILE"]
+        with open(path, "w") as f:
+            json.dump({"message": {"message": "RuntimeError: the data loader ran dry",
+                                   "extraInfo": {"py_callstack": "...", "timestamp": "0"}}}, f)
+        sys.exit(1)
+    """))
+    done = run_launcher("--log-dir", str(tmp_path / "logs"), "--run-id", "rec", script)
+    assert done.returncode == 1
+    assert re.search(r"its error file \(\S+/attempt_0/0/error\.json, written by @record\): RuntimeError: the data "
+                     r"loader ran dry", done.stderr), done.stderr

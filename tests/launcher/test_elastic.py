@@ -290,19 +290,16 @@ def test_a_quick_leave_and_rejoin_gets_no_free_restart(make_job, endpoint):
     job = make_job(endpoint, "rejoin", "2", 1, EW_STEPS="400", EW_STEP_S="0.05")
     job.start(2)
     by_rank = job.started(0, 2)
-    first = job.agent_of(by_rank[1])
-    first.send_signal(signal.SIGKILL)
-    job.start(1)  # the same node, back at once
-    by_rank = job.started(1, 2)
-    second = job.agent_of(by_rank[1]) if job.agent_of(by_rank[1]) is not job.agent_of(by_rank[0]) else None
-    victim = job.agent_of(by_rank[1])
-    victim.send_signal(signal.SIGKILL)
-    job.start(1)
-    codes = job.wait([a for a in job.agents if a not in (first, victim)], 90)
-    assert set(codes.values()) == {1}, codes
     survivor = job.agent_of(by_rank[0])
+    job.agent_of(by_rank[1]).send_signal(signal.SIGKILL)
+    (back,) = job.start(1)  # the same node, back at once
+    by_rank = job.started(1, 2)
+    assert by_rank == {0: survivor.pid, 1: back.pid}, "the survivor keeps rank 0, the newcomer takes rank 1"
+    back.send_signal(signal.SIGKILL)
+    (again,) = job.start(1)
+    codes = job.wait([survivor, again], 90)
+    assert set(codes.values()) == {1}, codes
     assert "no restarts are left (--max-restarts 1: 1 used)" in job.log(survivor), job.log(survivor)[-3000:]
-    assert second is not None
 
 
 def test_sigterm_during_a_restart_takes_only_that_node_out(make_job, endpoint):
