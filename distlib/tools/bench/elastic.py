@@ -110,6 +110,7 @@ class HostRun:
         else:
             cmd = [torch_python, "-m", "torch.distributed.run"]
             rdzv = ["--rdzv-id", rid]
+        self.port = port
         self.cmd = cmd + ["--nnodes", f"2:{NODES}", "--nproc-per-node", "1", "--max-restarts", "3",
                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *rdzv, *job]
         self.env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -126,8 +127,10 @@ class HostRun:
             log = open(self.dir / f"agent{i}.log", "w")
             self.agents.append(subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True, cwd=str(REPO)))
-            if i == 0:
-                time.sleep(1.0)  # torchrun: the first agent hosts the c10d store; the others join it
+            if i == 0 and self.launcher == "torchrun":
+                # the first agent hosts torchrun's c10d store: it must be listening before the
+                # others start, or one of them may host it (and the node lost might take it along)
+                _wait(lambda: _listening(self.port), 120, "torchrun's store on the first agent", self)
 
     def lose(self) -> float:
         """The loss: node 2 (not the store's host) killed with its workers, or the crash's time."""
@@ -156,6 +159,16 @@ class HostRun:
 
     def logs(self) -> str:
         return "\n".join((self.dir / f"agent{i}.log").read_text()[-4000:] for i in range(len(self.agents)))
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def descendants(pid: int) -> List[int]:
