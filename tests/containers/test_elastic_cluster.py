@@ -56,8 +56,16 @@ class Cluster:
         return state.load(self.state_dir)
 
     def workers(self) -> List:
+        """The run's worker containers (listed again when one vanishes while being listed)."""
+        import docker
+
         run = self.run() if (self.state_dir / "current.json").exists() else None
-        return engine.project_containers(self.client, run.project, "worker") if run else []
+        for _ in range(5):
+            try:
+                return engine.project_containers(self.client, run.project, "worker") if run else []
+            except docker.errors.NotFound:
+                time.sleep(0.2)
+        return engine.project_containers(self.client, run.project, "worker")
 
     def worker(self, number: int):
         return next(w for w in self.workers() if engine.short_name(w) == f"worker-{number}")
