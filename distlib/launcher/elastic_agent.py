@@ -35,12 +35,13 @@ import time
 from typing import List, Mapping, Optional
 
 from ..deadline import Deadline, format_duration
+from ..errors import DistError
 from ..store.base import Store
 from ..store.tcp.connect import format_endpoint
 from . import rounds as R
 from .agent import STREAM_JOIN_S, Signals, Worker, describe_status, failure_report, say, stop_workers
 from .elastic_config import ElasticPlan
-from .master import HostedStore, ensure_master_service
+from .master import HostedStore, LauncherError, ensure_master_service
 from .output import OutputSpec
 from .resolve import Resolved
 from .rounds_store import Heartbeat, Liveness, RoundStore, StoreGone
@@ -168,6 +169,13 @@ class ElasticAgent:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            if self.hosted is not None:
+                self.hosted.stop()
+
+    def _run(self) -> int:
         self.signals.install()
         rounds = heart = None
         try:
@@ -183,9 +191,20 @@ class ElasticAgent:
             say(f"the elastic job cannot go on: {exc}. Every node loses its rendezvous with it; start the job "
                 "again with a new --rdzv-id once the store is back")
             status = 1
-        except WorkerStartError as exc:
+        except (WorkerStartError, LauncherError) as exc:
             self._stop(signal.SIGTERM)
             say(str(exc))
+            status = 1
+        except (DistError, OSError) as exc:
+            where = self.resolved.rdzv_file.value if self.resolved.rdzv_file is not None else format_endpoint(
+                str(self.resolved.master_addr.value), int(self.resolved.master_port.value))
+            how = (f"did not answer within {format_duration(self.plan.conf.timeout)} (--rdzv-conf timeout)"
+                   if isinstance(exc, DistError) else "cannot be opened")
+            say(f"the rendezvous store at {where} {how}: {exc}")
+            status = 1
+        except ValueError as exc:  # the state key holds something else
+            say(f"the rendezvous store's key for run {self.run_id!r} holds {exc}: another program's key? Give this "
+                "run its own --rdzv-id")
             status = 1
         finally:
             if self.workers:
@@ -303,13 +322,9 @@ class ElasticAgent:
         return 128 + int(sig)
 
     def _release_hosted(self, status: int) -> None:
-        if self.hosted is None:
-            return
-        try:
-            if status == 0:
-                self.hosted.linger(self.plan.conf.close_timeout)
-        finally:
-            self.hosted.stop()
+        """A store this agent hosts: kept for the others' last calls after a success (run() stops it)."""
+        if self.hosted is not None and status == 0:
+            self.hosted.linger(self.plan.conf.close_timeout)
 
 
 class WorkerStartError(RuntimeError):

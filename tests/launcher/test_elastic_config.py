@@ -61,3 +61,17 @@ def test_what_cannot_be_elastic_says_why(flags, env, words):
         return
     with pytest.raises(ResolveError, match=words):
         elastic_plan(resolved, 1, 0.1, None)
+
+
+def test_a_file_endpoint_that_cannot_be_opened_fails_at_once_naming_it(tmp_path):
+    import subprocess
+
+    from .conftest import clean_env, launcher_cmd
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    done = subprocess.run(launcher_cmd("--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                       f"file://{blocked}/rdzv", "--rdzv-id", "x", "x.py"),
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"the rendezvous store at {blocked}/rdzv cannot be opened:" in done.stderr, done.stderr
