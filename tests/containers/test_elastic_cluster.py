@@ -3,7 +3,8 @@
 worker containers, or kills the master service.
 
 * 3 nodes, --nnodes 2:3: one killed during training -> the other two form round 1 within 30 s,
-  resume from the checkpoint and complete; the run's rounds name the lost container.
+  resume from the checkpoint and complete; the run's rounds name the lost container (the rounds
+  on the master service, and on a FileStore in a shared volume).
 * a fourth node started mid-run (MAX_NODES=4) is admitted at the next round.
 * a worker that crashes every time exhausts --max-restarts 2: the job fails within bounded time,
   listing three rounds and their causes.
@@ -149,8 +150,11 @@ def first_collective(text: str, restart: int) -> Optional[float]:
     return float(m.group(1)) if m else None
 
 
-def test_a_killed_node_leaves_a_smaller_job_that_resumes_and_completes(cluster):
-    c = cluster(NODES="3", MIN_NODES="2", MAX_RESTARTS="3", STEP_SECONDS="0.1",
+@pytest.mark.parametrize("mode", ["tcp", "file"])
+def test_a_killed_node_leaves_a_smaller_job_that_resumes_and_completes(cluster, mode):
+    """tcp: the rounds on the master service; file: on a FileStore in the shared volume (no
+    master service at all, as on an NFS cluster)."""
+    c = cluster(MODE=mode, NODES="3", MIN_NODES="2", MAX_RESTARTS="3", STEP_SECONDS="0.1",
                 JOB_ARGS="--epochs 4 --bench-sizes none")
     c.wait_for_log(r"train_dp: epoch 1/4", 240, "epoch 1 on rank 0")
     victim = c.worker(2)
