@@ -10,12 +10,14 @@ PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 
-.PHONY: help venv host-tools test test-unit test-interop demo image image-gpu cluster-up cluster-down cluster-logs \
+.PHONY: help venv host-tools test test-unit test-interop demo image image-gpu cluster-up cluster-down cluster-logs cluster-kill \
         helm-lint helm-test bench-store bench-collectives clean
 
 help:
 	@echo "make cluster-up    build the image and run the 4-node Compose cluster job (NODES=8, MODE=tcp|rank0|file|nfs|mpi, GPU=1,"
-	@echo "                   JOB=\"python my_train.py --epochs 3\": your own script, this directory mounted read-only)"
+	@echo "                   JOB=\"python my_train.py --epochs 3\": your own script, this directory mounted read-only;"
+	@echo "                   MIN_NODES=2 MAX_RESTARTS=3: elastic, a lost node leaves a smaller job)"
+	@echo "make cluster-kill NODE=2   kill worker-2 of the running cluster (SIGKILL): a lost node"
 	@echo "make test          create .venv, install distlib with its test extras (and shellcheck when missing), run the whole suite"
 	@echo "make test-interop  install torch 2.13 once into $(INTEROP_VENV) and run the torch interoperability tests"
 	@echo "make demo          a TCP master service and 4 local processes, no Docker needed"
@@ -89,7 +91,7 @@ image-gpu:
 	IMAGE=$(CUDA_IMAGE) TARGET=cuda docker/build-image.sh
 
 # distlib cluster (distlib/tools/cluster) reads the other variables from the environment:
-# AUTH, GPU, NPROC_PER_NODE, SKIP_BUILD, JOB, JOB_DIR, JOB_ARGS, JOB_MODULE, NFS_SERVER, NFS_PATH, COMPOSE,
+# AUTH, GPU, NPROC_PER_NODE, MIN_NODES, MAX_RESTARTS, SKIP_BUILD, JOB, JOB_DIR, JOB_ARGS, JOB_MODULE, NFS_SERVER, NFS_PATH, COMPOSE,
 # CLUSTER_TIMEOUT, CLUSTER_STATE_DIR, QUIET, RUN_ID (`make cluster-up JOB=...` passes them on).
 # IMAGE is passed on only when given: the default is distlib:cpu, or distlib:cuda with GPU=1.
 cluster-up: venv
@@ -100,6 +102,10 @@ cluster-down: venv
 
 cluster-logs: venv
 	$(PY) -m distlib.tools.cluster logs
+
+# A lost node, from another terminal while `make cluster-up` runs (an elastic job goes on without it).
+cluster-kill: venv
+	NODE=$(NODE) $(PY) -m distlib.tools.cluster kill
 
 helm-lint: venv
 	$(PY) -m pytest tests/helm -k lint $(PYTEST_ARGS)

@@ -24,7 +24,7 @@ TOOLS = {
     "gpu-info": ("distlib.tools.gpu_info", "what the nccl backend finds here: cupy, CUDA, NCCL versions and the devices"),
 }
 #: What `distlib bench NAME` runs: NAME -> its module under distlib.tools.bench.
-BENCHMARKS = {"store": "store", "collectives": "collectives_cli"}
+BENCHMARKS = {"store": "store", "collectives": "collectives_cli", "elastic": "elastic"}
 
 
 def _security(args: argparse.Namespace):

@@ -12,7 +12,8 @@ it), or ``DISTLIB_EXTERNAL_STORE=1``, or the URL has ``external_store=1``, no ra
 server: every rank, rank 0 included, is a client of ``MASTER_ADDR:MASTER_PORT`` (env://)
 or the URL's host:port (tcp://). If ``TORCHELASTIC_RUN_ID`` or ``DISTLIB_RUN_ID`` is set,
 the store handed back is ``PrefixStore("distlib/run/<id>", store)``, so that jobs sharing
-one master service never see each other's keys.
+one master service never see each other's keys; in a restarted elastic job
+(``TORCHELASTIC_RESTART_COUNT`` N > 0) ``.../attempt_<N>``, so that each round's keys are its own.
 """
 
 from __future__ import annotations
@@ -132,6 +133,14 @@ def uses_external_store(query: Dict[str, str]) -> bool:
     return settings.flag("external_store", False, query)
 
 
+def _attempt() -> str:
+    """``attempt_<N>`` in a restarted elastic job (TORCHELASTIC_RESTART_COUNT = N > 0, the same on
+    every rank), so that a restarted round's keys never meet the keys its predecessor left
+    (torch's agent store does the same); "" otherwise."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    return f"attempt_{count}" if count.isdigit() and int(count) > 0 else ""
+
+
 def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: timedelta,
                       query: Dict[str, str], wait_for_workers: bool = True) -> Store:
     """The TCPStore for env:// and tcp://: rank 0 hosts it, or nobody does (external service).
@@ -147,7 +156,8 @@ def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, time
     if uses_external_store(query):
         store: Store = TCPStore(hostname, port, world_size, False, timeout, wait_for_workers=wait_for_workers)
         rid = settings.run_id()
-        return PrefixStore(f"distlib/run/{rid}", store) if rid else store
+        prefix = "/".join(p for p in (f"distlib/run/{rid}" if rid else "", _attempt()) if p)
+        return PrefixStore(prefix, store) if prefix else store
     return TCPStore(hostname, port, world_size, rank == 0, timeout, wait_for_workers=wait_for_workers,
                     multi_tenant=True, use_libuv=_use_libuv(query))
 

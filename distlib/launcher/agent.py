@@ -7,10 +7,9 @@ Design, and why:
   processes a worker started (data loaders, shells) stop with it. On Linux each worker also
   gets ``PR_SET_PDEATHSIG=SIGKILL``: if the launcher itself is killed with SIGKILL (no chance
   to forward anything), its workers do not live on as orphans.
-* **stdout is inherited**: it passes through byte for byte, never buffered by the launcher.
-  **stderr is piped**: a thread per worker copies it to the launcher's stderr as it comes
-  (whole lines, so two workers' lines do not interleave mid-line; a partial line is flushed
-  after a short pause) and keeps the last ``TAIL_LINES`` lines for the failure report.
+* **stdout and stderr are piped**: a thread per stream copies it where output.py says (the
+  launcher's stream of the same name, each line prefixed with the worker's rank; files for
+  ``--redirects``/``--tee``) and keeps the last lines of stderr for the failure report.
 * **Supervision** polls every worker every ``POLL_S``. The first worker to exit non-zero (or
   be killed by a signal) fails the node: the others get SIGTERM, then SIGKILL after
   ``grace_period`` seconds, and the launcher exits non-zero with a report naming the global
@@ -26,43 +25,31 @@ Design, and why:
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from ..deadline import Deadline, format_duration
+from .output import STDERR, STDOUT, OutputSpec, Pump, console_for, read_error_file, write_lines
 
 log = logging.getLogger("distlib.launcher")
 
 POLL_S = 0.05
-TAIL_LINES = 20
-#: A partial stderr line (no newline yet) is passed on after this much silence.
-PARTIAL_FLUSH_S = 0.2
 STREAM_JOIN_S = 5.0
 REAP_S = 5.0
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-_OUTPUT_LOCK = threading.Lock()
-
 
 def say(text: str) -> None:
     """A launcher message on stderr, each line prefixed, never mixed into a worker's line."""
-    data = "".join(f"distlib-run: {line}\n" for line in text.splitlines()).encode("utf-8", "replace")
-    with _OUTPUT_LOCK:
-        try:
-            sys.stderr.flush()
-            os.write(sys.stderr.fileno(), data)
-        except (OSError, ValueError):
-            pass
+    write_lines(sys.stderr, "".join(f"distlib-run: {line}\n" for line in text.splitlines()).encode("utf-8", "replace"))
 
 
 def describe_status(code: int) -> str:
@@ -127,65 +114,43 @@ class Worker:
     global_rank: int
     argv: Sequence[str]
     env: Mapping[str, str]
+    output: OutputSpec = field(default_factory=OutputSpec)
+    #: the restart count its output files are filed under (attempt_<N>)
+    attempt: int = 0
+    role: str = "default"
     proc: Optional[subprocess.Popen] = None
-    tail: Deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
-    pump: Optional[threading.Thread] = None
+    pumps: List[Pump] = field(default_factory=list)
     stopped_by_us: Optional[str] = None
 
     @property
     def name(self) -> str:
         return f"global rank {self.global_rank} (local rank {self.local_rank})"
 
+    @property
+    def tail(self) -> List[str]:
+        """The last lines it wrote to stderr."""
+        return list(self.pumps[-1].tail) if self.pumps else []
+
+    @property
+    def error_file(self) -> Optional[str]:
+        return self.output.error_file(self.local_rank, self.attempt)
+
     def start(self) -> None:
+        env = dict(self.env)
+        if self.error_file:
+            os.makedirs(os.path.dirname(self.error_file), exist_ok=True)
+            env["TORCHELASTIC_ERROR_FILE"] = self.error_file
         self.proc = subprocess.Popen(
-            list(self.argv), env=dict(self.env), stdout=None, stderr=subprocess.PIPE,
+            list(self.argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=_child_setup(os.getpid()) if _PRCTL else None,
         )
-        self.pump = threading.Thread(target=self._pump, name=f"distlib-run-stderr-{self.local_rank}", daemon=True)
-        self.pump.start()
-
-    def _pump(self) -> None:
-        """Copy the worker's stderr to ours, whole lines at a time, keeping a tail."""
-        fd = self.proc.stderr.fileno()
-        out = sys.stderr
-        pending = b""
-
-        def emit(data: bytes) -> None:
-            with _OUTPUT_LOCK:
-                try:
-                    out.flush()
-                    os.write(out.fileno(), data)
-                except (OSError, ValueError):
-                    pass
-            for line in data.decode("utf-8", "replace").splitlines():
-                self.tail.append(line)
-
-        while True:
-            ready, _, _ = select.select([fd], [], [], PARTIAL_FLUSH_S if pending else None)
-            if not ready:
-                emit(pending)
-                pending = b""
-                continue
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            pending += chunk
-            cut = pending.rfind(b"\n") + 1
-            if cut:
-                emit(pending[:cut])
-                pending = pending[cut:]
-            if len(pending) > 65536:
-                emit(pending)
-                pending = b""
-        if pending:
-            emit(pending + b"\n")
-        try:
-            self.proc.stderr.close()
-        except OSError:
-            pass
+        prefix = self.output.prefix(self.global_rank, self.local_rank, self.role)
+        for stream, pipe in ((STDOUT, self.proc.stdout), (STDERR, self.proc.stderr)):
+            shown, path = self.output.destinations(stream, self.local_rank, self.attempt)
+            fd = os.dup(pipe.fileno())
+            pipe.close()
+            self.pumps.append(Pump(fd, console_for(stream) if shown else None, prefix, path, stream == STDERR,
+                                   f"distlib-run-{'out' if stream == STDOUT else 'err'}-{self.local_rank}").start())
 
     def poll(self) -> Optional[int]:
         return self.proc.poll() if self.proc is not None else None
@@ -200,14 +165,14 @@ class Worker:
             pass
 
     def join_output(self, deadline: Deadline) -> None:
-        if self.pump is not None:
-            self.pump.join(deadline.remaining())
+        for pump in self.pumps:
+            pump.join(deadline.remaining())
 
 
 # -- the node's workers ------------------------------------------------------------------------------
 
 
-class _Signals:
+class Signals:
     """Records the signals the launcher receives while its workers run."""
 
     def __init__(self):
@@ -234,7 +199,7 @@ class _Signals:
                 pass
 
 
-def stop_workers(workers: Sequence[Worker], sig: int, grace: float, signals: Optional[_Signals] = None) -> None:
+def stop_workers(workers: Sequence[Worker], sig: int, grace: float, signals: Optional[Signals] = None) -> None:
     """Send ``sig`` to every running worker, SIGKILL what is left after ``grace`` seconds."""
     alive = [w for w in workers if w.poll() is None]
     for w in alive:
@@ -263,10 +228,14 @@ def stop_workers(workers: Sequence[Worker], sig: int, grace: float, signals: Opt
             log.error("%s (pid %d) did not exit %s after SIGKILL", w.name, w.proc.pid, format_duration(REAP_S))
 
 
-def failure_report(worker: Worker, node_rank: int, nnodes: int, others: Sequence[Worker]) -> str:
+def failure_report(worker: Worker, where: str, others: Sequence[Worker]) -> str:
+    """The report of a failed worker: ``where`` names its node (``node 1 of 2``)."""
     code = worker.poll()
-    lines = [f"worker failed: {worker.name} on node {node_rank} of {nnodes} {describe_status(code)}",
+    lines = [f"worker failed: {worker.name} on {where} {describe_status(code)}",
              f"command: {' '.join(worker.argv)} (pid {worker.proc.pid})"]
+    recorded = read_error_file(worker.error_file)
+    if recorded:
+        lines.append(f"its error file ({worker.error_file}, written by @record): {recorded}")
     tail = list(worker.tail)
     if tail:
         lines.append(f"last {len(tail)} line(s) of its stderr:")
@@ -285,7 +254,7 @@ def failure_report(worker: Worker, node_rank: int, nnodes: int, others: Sequence
 
 def run_workers(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: float) -> int:
     """Start ``workers``, supervise them until all are done or one fails; return the exit status."""
-    signals = _Signals()
+    signals = Signals()
     signals.install()
     try:
         started: List[Worker] = []
@@ -307,7 +276,7 @@ def run_workers(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: f
         signals.restore()
 
 
-def _supervise(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: float, signals: _Signals) -> int:
+def _supervise(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: float, signals: Signals) -> int:
     while True:
         if signals.received:
             sig = signals.received[0]
@@ -325,7 +294,7 @@ def _supervise(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: fl
                 w.signal(signal.SIGKILL)  # what the failed workers started and left behind
             for w in workers:
                 w.join_output(Deadline(0.5))
-            say(failure_report(first, node_rank, nnodes, workers))
+            say(failure_report(first, f"node {node_rank} of {nnodes}", workers))
             return exit_status(first.poll()) or 1
         if all(c == 0 for c in codes):
             return 0

@@ -1,4 +1,5 @@
 """One node's launch, in order: the master service (c10d), the node rank (``auto``), the workers.
+An elastic launch (``Options.elastic``) goes to elastic_agent.py instead.
 
 ``launch(resolved, program, options)`` returns the launcher's exit status (agent.py says what
 it means). With ``DISTLIB_INIT_METHOD`` set (e.g. the Helm chart's file mode,
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from ..store.tcp.connect import format_endpoint
 from .agent import Worker, run_workers, say
+from .elastic_config import ElasticPlan
+from .output import OutputSpec
 from .master import HostedStore, LauncherError, ensure_master_service, node_rank_key, take_node_rank
 from .resolve import Resolved
 from .workerenv import Program, full_env
@@ -29,6 +32,12 @@ class Options:
     #: Seconds to wait for the master service (c10d), and for other nodes' clients to leave a
     #: store this agent hosts.
     rdzv_timeout: float = 300.0
+    #: Where the workers' output goes (output.py).
+    output: OutputSpec = field(default_factory=OutputSpec)
+    #: ROLE_NAME of the workers (torchrun's --role).
+    role: str = "default"
+    #: Set for an elastic launch (elastic_config.is_elastic): rounds, restarts, heartbeats.
+    elastic: Optional[ElasticPlan] = None
 
 
 def _summary(resolved: Resolved) -> str:
@@ -51,8 +60,13 @@ def launch(resolved: Resolved, program: Program, options: Options,
     environ = os.environ if environ is None else environ
     for warning in resolved.warnings:
         log.warning("%s", warning)
-    for note in resolved.notes:
+    for note in resolved.notes + list(options.elastic.notes if options.elastic else ()):
         log.info("%s", note)
+    if options.elastic is not None:
+        from .elastic_agent import ElasticAgent
+
+        return ElasticAgent(resolved, options.elastic, program, options.output, options.grace_period,
+                            options.rdzv_timeout, environ, options.role).run()
     hosted: Optional[HostedStore] = None
     try:
         try:
@@ -76,7 +90,8 @@ def launch(resolved: Resolved, program: Program, options: Options,
         node = resolved.node_rank.value
         nproc = resolved.nproc_per_node.value
         argv = program.argv()
-        workers = [Worker(local, node * nproc + local, argv, full_env(environ, resolved, local))
+        workers = [Worker(local, node * nproc + local, argv, full_env(environ, resolved, local, role=options.role),
+                          options.output, 0, options.role)
                    for local in range(nproc)]
         status = run_workers(workers, node, resolved.nnodes.value, options.grace_period)
         if hosted is not None and status == 0:

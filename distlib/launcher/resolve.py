@@ -108,6 +108,10 @@ class Resolved:
     master_port: Value
     run_id: Value
     init_method: Optional[Value] = None
+    #: The fewest nodes a round may have (``--nnodes MIN:MAX``); None: as many as ``nnodes``.
+    min_nodes: Optional[Value] = None
+    #: ``--rdzv-endpoint file:///path``: the rendezvous is a FileStore at this path (no TCP store).
+    rdzv_file: Optional[Value] = None
     extra_env: Dict[str, Value] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
@@ -121,13 +125,18 @@ class Resolved:
         return self.rdzv_backend.value == "c10d"
 
     @property
+    def fewest_nodes(self) -> int:
+        """MIN of ``--nnodes MIN:MAX`` (``nnodes`` itself for a fixed size)."""
+        return self.min_nodes.value if self.min_nodes is not None else self.nnodes.value
+
+    @property
     def node_rank_auto(self) -> bool:
         return self.node_rank.value is None
 
     @property
     def private_store(self) -> bool:
         """c10d with endpoint port 0: this agent hosts a store on a free port, for this run only."""
-        return self.c10d and self.master_port.value == 0
+        return self.c10d and self.master_port.value == 0 and self.rdzv_file is None
 
     def with_node_rank(self, rank: int, source: str) -> "Resolved":
         return dataclasses.replace(self, node_rank=Value(rank, source))
@@ -200,21 +209,30 @@ def _parse_int(text: str, what: str, source: str, minimum: int = 0, maximum: Opt
     return value
 
 
-def parse_nnodes(text: str, source: str) -> int:
-    """``N`` or torchrun's ``MIN:MAX`` with MIN == MAX (distlib runs fixed-size jobs)."""
+def parse_nnodes_range(text: str, source: str) -> Tuple[int, int]:
+    """``N`` → (N, N); torchrun's ``MIN:MAX`` → (MIN, MAX), an elastic job of MIN to MAX nodes."""
     _check_expanded(text, "the number of nodes", source)
     parts = text.split(":")
     if len(parts) == 2:
         low = _parse_int(parts[0], "the minimum number of nodes", source, 1)
         high = _parse_int(parts[1], "the maximum number of nodes", source, 1)
-        if low != high:
-            raise ResolveError(
-                f"nnodes {text!r} (from {source}) is an elastic range: distlib runs fixed-size jobs, "
-                "so give one number (or MIN:MAX with MIN == MAX)")
-        return low
+        if low > high:
+            raise ResolveError(f"nnodes {text!r} (from {source}): MIN ({low}) is larger than MAX ({high})")
+        return low, high
     if len(parts) != 1:
         raise ResolveError(f"nnodes {text!r} (from {source}) is not N or MIN:MAX")
-    return _parse_int(text, "the number of nodes", source, 1)
+    count = _parse_int(text, "the number of nodes", source, 1)
+    return count, count
+
+
+def _nnodes_shown(low: int, high: int):
+    """N for a fixed size, "MIN:MAX" for a range: what a contradiction message shows."""
+    return high if low == high else f"{low}:{high}"
+
+
+def parse_nnodes(text: str, source: str) -> int:
+    """The most nodes ``text`` allows (``N``, or MAX of ``MIN:MAX``)."""
+    return parse_nnodes_range(text, source)[1]
 
 
 def parse_nproc(text: str, source: str, probe: Probe, environ: Mapping[str, str]) -> Value:
@@ -343,13 +361,17 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
             notes.append("--standalone: --rdzv-backend/--rdzv-endpoint ignored (a private store on a free port)")
 
     # nnodes
+    min_nodes = None
     if standalone:
         nnodes = Value(1, "flag --standalone")
     else:
         pick = _pick("nnodes", _flag("nnodes", flags.nnodes), readings, "1")
         chosen = _use(pick)
-        nnodes = Value(parse_nnodes(chosen.value, chosen.source), chosen.source)
-        _compare(pick, nnodes.value, lambda c: parse_nnodes(c.value, c.source), "nnodes", True, notes, warnings)
+        low, high = parse_nnodes_range(chosen.value, chosen.source)
+        nnodes = Value(high, chosen.source)
+        min_nodes = Value(low, chosen.source)
+        _compare(pick, _nnodes_shown(low, high), lambda c: _nnodes_shown(*parse_nnodes_range(c.value, c.source)),
+                 "nnodes", True, notes, warnings)
 
     # nproc-per-node
     pick = _pick("nproc_per_node", _flag("nproc_per_node", flags.nproc_per_node), readings, "1")
@@ -373,7 +395,12 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
         backend = Value(name, chosen.source)
 
     # where the store is
-    master_addr, master_port = _resolve_master(flags, readings, backend, standalone, notes, warnings)
+    rdzv_file = _file_endpoint(flags, readings, backend)
+    if rdzv_file is not None:
+        master_addr = Value("", f"{rdzv_file.source}: none, the rendezvous is a FileStore")
+        master_port = Value(0, master_addr.source)
+    else:
+        master_addr, master_port = _resolve_master(flags, readings, backend, standalone, notes, warnings)
 
     # node rank
     node_rank = _resolve_node_rank(flags, readings, nnodes, backend, standalone, notes)
@@ -394,11 +421,15 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
             raise ResolveError(
                 f"--node-rank auto takes node ranks from the master service, but DISTLIB_INIT_METHOD={text!r} "
                 "says this job uses no TCP store: give each node its rank (--node-rank N)")
+        if rdzv_file is not None:
+            raise ResolveError(
+                f"DISTLIB_INIT_METHOD={text!r} and --rdzv-endpoint {rdzv_file.value} both say where the job meets: "
+                "drop DISTLIB_INIT_METHOD (with a file:// endpoint the launcher gives every round its own store file)")
         if backend.value == "c10d":
             notes.append(f"DISTLIB_INIT_METHOD={text!r} is set: the job rendezvous through it; the launcher "
                          "neither starts nor contacts the c10d endpoint")
 
-    if backend.value == "c10d" and run_id.source == "default" and not (master_port.value == 0):
+    if backend.value == "c10d" and run_id.source == "default" and not (master_port.value == 0 and rdzv_file is None):
         warnings.append(
             f"run id {DEFAULT_RUN_ID!r} (the default): runs that share a master service need distinct ids, "
             "or their keys meet; pass --run-id (or set DISTLIB_RUN_ID)")
@@ -413,8 +444,29 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
     return Resolved(
         nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_backend=backend,
         master_addr=master_addr, master_port=master_port, run_id=run_id, init_method=init_method,
-        extra_env=extra_env, notes=notes, warnings=warnings,
+        min_nodes=min_nodes, rdzv_file=rdzv_file, extra_env=extra_env, notes=notes, warnings=warnings,
     )
+
+
+def _file_endpoint(flags: Flags, readings: List[conv.Convention], backend: Value) -> Optional[Value]:
+    """``--rdzv-endpoint file:///path`` (c10d): the path of the FileStore that holds the rendezvous."""
+    pick = _pick("rdzv_endpoint", _flag("rdzv_endpoint", flags.rdzv_endpoint), readings, None)
+    if pick is None or pick.chosen.error or not pick.chosen.value.strip().lower().startswith("file:"):
+        return None
+    chosen = pick.chosen
+    text = chosen.value.strip()
+    _check_expanded(text, "the rendezvous endpoint", chosen.source)
+    if backend.value != "c10d":
+        raise ResolveError(f"rendezvous endpoint {text!r} (from {chosen.source}) is a file: it needs --rdzv-backend "
+                           "c10d (static means rank 0's host and port)")
+    if not text.startswith("file://") or not text[len("file://"):].startswith("/"):
+        raise ResolveError(f"rendezvous endpoint {text!r} (from {chosen.source}) is not file:///ABSOLUTE/PATH "
+                           "(three slashes: the path of the store file every node shares)")
+    path = text[len("file://"):]
+    if path.endswith("/"):
+        raise ResolveError(f"rendezvous endpoint {text!r} (from {chosen.source}) names a directory: give the store "
+                           "file's path, e.g. file:///shared/job-7/rdzv")
+    return Value(path, chosen.source)
 
 
 def _resolve_master(flags: Flags, readings: List[conv.Convention], backend: Value, standalone: bool,

@@ -1,10 +1,12 @@
 """The environment each worker gets, and the command it runs.
 
-torchrun's variables, with the values torchrun gives them for a fixed-size job without
-restarts: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``MASTER_ADDR``,
-``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT=0``,
-``TORCHELASTIC_MAX_RESTARTS=0``, ``TORCHELASTIC_USE_AGENT_STORE``. distlib adds
+torchrun's variables: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_USE_AGENT_STORE``, and
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless the launcher's environment sets it. For a fixed-size job the restart count and
+the maximum are 0; for an elastic one (``round_env``) they are the job's: the round's number,
+the same on every node. distlib adds
 ``NODE_RANK`` (= GROUP_RANK; Lightning and many scripts read it), ``DISTLIB_RUN_ID`` and
 ``DISTLIB_EXTERNAL_STORE``.
 
@@ -44,37 +46,63 @@ class Program:
         return " ".join(self.argv())
 
 
-def worker_env(resolved: Resolved, local_rank: int, node_rank: Optional[int] = None) -> Dict[str, str]:
-    """The variables the launcher sets for one worker (not the inherited ones)."""
+def worker_env(resolved: Resolved, local_rank: int, node_rank: Optional[int] = None,
+               role: str = "default") -> Dict[str, str]:
+    """The variables the launcher sets for one worker of a fixed-size job (not the inherited ones)."""
     node = resolved.node_rank.value if node_rank is None else node_rank
     if node is None:
         raise ValueError("the node rank is not known yet (--node-rank auto): assign it first")
     nproc = resolved.nproc_per_node.value
-    rank = node * nproc + local_rank
-    world = resolved.world_size
+    return torchrun_env(resolved, Placement(node * nproc + local_rank, local_rank, resolved.world_size, node,
+                                            resolved.nnodes.value, nproc, role=role))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker sits in its round: ranks and sizes, and the job's restart count."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    node_rank: int
+    nnodes: int
+    nproc: int
+    restart_count: int = 0
+    max_restarts: int = 0
+    role: str = "default"
+
+
+def torchrun_env(resolved: Resolved, where: Placement, init_method: Optional[str] = None,
+                 agent_store: Optional[bool] = None) -> Dict[str, str]:
+    """torchrun's variables for one worker at ``where`` (module docstring); ``init_method``
+    replaces MASTER_ADDR/MASTER_PORT (an elastic job's file store of the round). ``agent_store``:
+    whether the store already runs (default: with c10d); an elastic job's always does."""
     run_id = str(resolved.run_id.value)
-    external = resolved.c10d
+    external = resolved.c10d if agent_store is None else agent_store
     env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_RANK": str(node),
-        "NODE_RANK": str(node),
-        "GROUP_WORLD_SIZE": str(resolved.nnodes.value),
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(world),
-        "ROLE_NAME": "default",
+        "RANK": str(where.rank),
+        "LOCAL_RANK": str(where.local_rank),
+        "WORLD_SIZE": str(where.world_size),
+        "LOCAL_WORLD_SIZE": str(where.nproc),
+        "GROUP_RANK": str(where.node_rank),
+        "NODE_RANK": str(where.node_rank),
+        "GROUP_WORLD_SIZE": str(where.nnodes),
+        "ROLE_RANK": str(where.rank),
+        "ROLE_WORLD_SIZE": str(where.world_size),
+        "ROLE_NAME": where.role,
         "MASTER_ADDR": str(resolved.master_addr.value),
         "MASTER_PORT": str(resolved.master_port.value),
         "TORCHELASTIC_RUN_ID": run_id,
         "DISTLIB_RUN_ID": run_id,
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_USE_AGENT_STORE": "True" if external else "False",
-        "DISTLIB_EXTERNAL_STORE": "1" if external else "0",
+        "TORCHELASTIC_RESTART_COUNT": str(where.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(where.max_restarts),
+        "TORCHELASTIC_USE_AGENT_STORE": "True" if external and init_method is None else "False",
+        "DISTLIB_EXTERNAL_STORE": "1" if external and init_method is None else "0",
     }
-    if resolved.init_method is not None:
+    if init_method is not None:
+        del env["MASTER_ADDR"], env["MASTER_PORT"]
+        env["DISTLIB_INIT_METHOD"] = init_method
+    elif resolved.init_method is not None:
         env["DISTLIB_INIT_METHOD"] = str(resolved.init_method.value)
     for name, value in resolved.extra_env.items():
         env[name] = str(value.value)
@@ -82,8 +110,23 @@ def worker_env(resolved: Resolved, local_rank: int, node_rank: Optional[int] = N
 
 
 def full_env(base: Mapping[str, str], resolved: Resolved, local_rank: int,
-             node_rank: Optional[int] = None) -> Dict[str, str]:
+             node_rank: Optional[int] = None, role: str = "default") -> Dict[str, str]:
     """The launcher's environment with one worker's variables on top."""
     env = dict(base)
-    env.update(worker_env(resolved, local_rank, node_rank))
+    env.update(worker_env(resolved, local_rank, node_rank, role))
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return env
+
+
+def round_env(base: Mapping[str, str], resolved: Resolved, where: Placement,
+              init_method: Optional[str] = None) -> Dict[str, str]:
+    """The launcher's environment with one elastic worker's variables on top. With a file store
+    (``init_method``), MASTER_ADDR/MASTER_PORT inherited from a cluster are removed: they would
+    name a store this job does not use."""
+    env = dict(base)
+    if init_method is not None:
+        env.pop("MASTER_ADDR", None)
+        env.pop("MASTER_PORT", None)
+    env.update(torchrun_env(resolved, where, init_method, agent_store=init_method is None))
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     return env

@@ -55,7 +55,15 @@ def write(tmp_path, name: str, text: str) -> str:
 
 
 def reports(stdout: str):
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    """The workers' JSON reports; each line carries its writer's rank in front (``[rankN]: ``)."""
+    found = []
+    for line in stdout.splitlines():
+        m = re.fullmatch(r"\[rank(\d+)\]: (\{.*\})", line)
+        if m:
+            report = json.loads(m.group(2))
+            assert report["rank"] == int(m.group(1)), f"line prefixed with rank {m.group(1)}: {line}"
+            found.append(report)
+    return found
 
 
 def test_two_nodes_two_procs_static(tmp_path):
@@ -253,20 +261,64 @@ def test_sigterm_to_the_launcher_stops_its_workers(tmp_path, mode):
         assert elapsed < 5
 
 
-def test_output_passes_through(tmp_path):
-    script = write(tmp_path, "out.py", textwrap.dedent("""
-        import os, sys
-        r = os.environ["LOCAL_RANK"]
-        sys.stdout.write(f"out {r} no newline")
-        sys.stdout.flush()
-        sys.stderr.write(f"err {r} partial")
+OUTPUT = textwrap.dedent("""
+    import os, sys, time
+    r = os.environ["LOCAL_RANK"]
+    sys.stdout.write(f"out {r} line\\nout {r} no newline")
+    sys.stdout.flush()
+    if r == "0":
+        sys.stderr.write("err 0 partial")
         sys.stderr.flush()
-    """))
+        time.sleep(0.5)  # past the partial-line flush: the continuation must not get a second prefix
+        sys.stderr.write(" continued\\n")
+    else:
+        time.sleep(1.0)
+        sys.stderr.write("err 1 whole\\n")
+""")
+
+
+def test_output_lines_carry_the_rank_and_stay_on_their_stream(tmp_path):
+    script = write(tmp_path, "out.py", OUTPUT)
     done = run_launcher("--nproc-per-node", "2", script)
     assert done.returncode == 0
-    assert sorted(re.findall(r"out \d no newline", done.stdout)) == ["out 0 no newline", "out 1 no newline"]
-    assert len(done.stdout) == 2 * len("out 0 no newline")
-    assert "err 0 partial\n" in done.stderr and "err 1 partial\n" in done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[rank0]: out 0 line", "[rank0]: out 0 no newline",
+                                                "[rank1]: out 1 line", "[rank1]: out 1 no newline"]
+    assert "[rank0]: err 0 partial continued\n" in done.stderr and "[rank1]: err 1 whole\n" in done.stderr
+
+
+def test_an_empty_prefix_template_passes_lines_unchanged(tmp_path):
+    script = write(tmp_path, "out.py", OUTPUT)
+    done = run_launcher("--nproc-per-node", "2", "--log-line-prefix-template", "", script)
+    assert sorted(done.stdout.splitlines()) == ["out 0 line", "out 0 no newline", "out 1 line", "out 1 no newline"]
+
+
+def test_local_ranks_filter_and_tee_and_redirects(tmp_path):
+    """--local-ranks-filter 1: only rank 1 on the console; --tee 1 copies stdout to files,
+    -r 0:2 sends rank 0's stderr to its file only (torch's forms and layout)."""
+    script = write(tmp_path, "out.py", OUTPUT)
+    logs = tmp_path / "logs"
+    done = run_launcher("--nproc-per-node", "2", "--local-ranks-filter", "1", "--tee", "1", "-r", "0:2",
+                        "--log-dir", str(logs), "--run-id", "out-1", script)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[rank1]: out 1 line", "[rank1]: out 1 no newline"]
+    assert "err 0" not in done.stderr and "[rank1]: err 1 whole\n" in done.stderr
+    (run_dir,) = logs.iterdir()
+    assert run_dir.name.startswith("out-1_")
+    attempt = run_dir / "attempt_0"
+    assert (attempt / "0" / "stdout.log").read_text() == "out 0 line\nout 0 no newline"
+    assert (attempt / "1" / "stdout.log").read_text() == "out 1 line\nout 1 no newline"
+    assert (attempt / "0" / "stderr.log").read_text() == "err 0 partial continued\n"
+    assert not (attempt / "1" / "stderr.log").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tee", "4"], "--tee '4': 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
+    (["-r", "0:1,x"], "--redirects '0:1,x': give 0..3 for every local rank"),
+    (["--local-ranks-filter", "a"], "--local-ranks-filter 'a': local ranks separated by commas"),
+])
+def test_bad_output_flags_exit_2_saying_what_is_wrong(tmp_path, flags, words):
+    done = run_launcher(*flags, "x.py")
+    assert done.returncode == 2 and words in done.stderr, done.stderr
 
 
 def test_module_and_arguments(tmp_path):
@@ -277,7 +329,7 @@ def test_module_and_arguments(tmp_path):
     done = run_launcher("-m", "mypkg.job", "--nnodes", "7", "pos",
                         env=clean_env(PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "0 ['--nnodes', '7', 'pos']\n"
+    assert done.stdout == "[rank0]: 0 ['--nnodes', '7', 'pos']\n"
 
 
 def test_dry_run(tmp_path):
@@ -353,7 +405,7 @@ def test_hosting_agent_keeps_the_store_for_other_nodes(tmp_path):
     assert node1.returncode == 0, err1
     assert "this agent hosts one in-process" in err0
     assert "keeping the store server on port" in err0
-    assert out0 == "rank 0 done\n" and out1 == "rank 1 done\n"
+    assert out0 == "[rank0]: rank 0 done\n" and out1 == "[rank1]: rank 1 done\n"
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path):
@@ -369,3 +421,20 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=10)
+
+
+def test_a_workers_error_file_is_quoted_in_the_failure_report(tmp_path):
+    """With a log directory each worker gets TORCHELASTIC_ERROR_FILE; what torch's @record writes
+    there (JSON, its format) is quoted when the worker fails."""
+    script = write(tmp_path, "rec.py", textwrap.dedent("""
+        import json, os, sys
+        path = os.environ["TORCHELASTIC_ERROR_FILE"]
+        with open(path, "w") as f:
+            json.dump({"message": {"message": "RuntimeError: the data loader ran dry",
+                                   "extraInfo": {"py_callstack": "...", "timestamp": "0"}}}, f)
+        sys.exit(1)
+    """))
+    done = run_launcher("--log-dir", str(tmp_path / "logs"), "--run-id", "rec", script)
+    assert done.returncode == 1
+    assert re.search(r"its error file \(\S+/attempt_0/0/error\.json, written by @record\): RuntimeError: the data "
+                     r"loader ran dry", done.stderr), done.stderr

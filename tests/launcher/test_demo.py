@@ -23,7 +23,8 @@ def test_demo_runs_and_prints_the_exchange():
     out = done.stdout
     assert re.search(r"master service \(distlib store-server\) on 127\.0\.0\.1:\d+", out)
     assert "4 processes met through the master service" in out
-    rows = re.findall(r"^(\d)\s+(\d)\s+\S+\s+(\d+)\s+0,1,2,3$", out, re.M)
+    # rank 0 prints the table; distlib-run puts its rank in front of each line
+    rows = re.findall(r"^\[rank0\]: (\d)\s+(\d)\s+\S+\s+(\d+)\s+0,1,2,3$", out, re.M)
     assert sorted(r[0] for r in rows) == ["0", "1", "2", "3"]
     assert len({r[2] for r in rows}) == 4  # four processes
     assert "distlib demo: ok" in out

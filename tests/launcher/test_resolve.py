@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from distlib.launcher.resolve import Flags, Probe, ResolveError, resolve
@@ -276,16 +278,34 @@ def test_nnodes_forms(text, expected):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("1:4", "elastic range"), ("0", "at least 1"), ("two", "must be an integer"), ("1:2:3", "not N or MIN:MAX"),
+    ("4:1", "MIN \\(4\\) is larger than MAX \\(1\\)"), ("0", "at least 1"), ("two", "must be an integer"),
+    ("1:2:3", "not N or MIN:MAX"), ("0:2", "the minimum number of nodes must be at least 1"),
 ])
 def test_nnodes_errors(text, message):
     with pytest.raises(ResolveError, match=message):
         res(nnodes=text)
 
 
-def test_nnodes_range_from_pet_is_rejected_too():
-    with pytest.raises(ResolveError, match=r"'1:3' \(from PET_NNODES\) is an elastic range"):
-        res({"PET_NNODES": "1:3"})
+@pytest.mark.parametrize("env, flag", [({"PET_NNODES": "1:3"}, None), ({}, "1:3")])
+def test_an_elastic_range_gives_min_and_max(env, flag):
+    """Kubeflow's elastic PyTorchJob sets PET_NNODES=MIN:MAX; torchrun takes --nnodes MIN:MAX."""
+    r = res(env, nnodes=flag) if flag else res(env)
+    assert (r.fewest_nodes, r.nnodes.value) == (1, 3)
+
+
+def test_a_file_endpoint_is_the_rendezvous_file():
+    r = res(rdzv_backend="c10d", rdzv_endpoint="file:///shared/job/rdzv")
+    assert r.rdzv_file.value == "/shared/job/rdzv" and not r.private_store
+
+
+@pytest.mark.parametrize("endpoint, backend, words", [
+    ("file://shared/x", "c10d", "is not file:///ABSOLUTE/PATH"),
+    ("file:///shared/", "c10d", "names a directory"),
+    ("file:///shared/x", "static", "it needs --rdzv-backend c10d"),
+])
+def test_bad_file_endpoints_say_why(endpoint, backend, words):
+    with pytest.raises(ResolveError, match=re.escape(words)):
+        res(rdzv_backend=backend, rdzv_endpoint=endpoint)
 
 
 @pytest.mark.parametrize("text, gpus, expected, source_part", [

@@ -9,6 +9,7 @@ The real srun on a real Slurm cluster: tests/containers/test_slurm_cluster.py.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -67,7 +68,8 @@ def results(procs: List[subprocess.Popen], timeout: float = 90) -> List[dict]:
         outputs.append((proc.returncode, out, err))
     for code, out, err in outputs:
         assert code == 0, f"exit {code}\n{out}\n{err}"
-        found += [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+        # under distlib-run each worker line carries its rank in front ("[rank3]: RESULT ...")
+        found += [json.loads(m.group(1)) for m in re.finditer(r"^(?:\[rank\d+\]: )?RESULT (.*)$", out, re.M)]
     return sorted(found, key=lambda r: r["rank"])
 
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 from .. import command
 from ..jobs import mpi_rank
 from ..command import ToolError
-from . import auth_token, engine, gpus, outcome, slurm, ssh_keys, state
+from . import auth_token, elastic, engine, gpus, outcome, slurm, ssh_keys, state
 from .config import LABEL, OWNER_LABEL, Settings, find_root, new_run_id, project_name
 
 PROG = "distlib cluster"
@@ -208,7 +208,10 @@ def up(cfg: Settings) -> int:
     # ranks went away); those still running are stopped now, and their status says nothing.
     ended_early = [w for w in workers if w not in job and _exited(w)]
     _stop([c for c in engine.project_containers(client, run.project) if c not in job])  # master, nfs, mpi workers
-    return _conclude(cfg, run, workers, job + ended_early, status, time.monotonic() - started)
+    judged = job + ended_early
+    if cfg.elastic:  # the rounds; a worker the job declared lost is not its failure
+        judged = elastic.conclude(engine.project_containers(client, run.project, "worker"), judged)
+    return _conclude(cfg, run, workers, judged, status, time.monotonic() - started)
 
 
 def _exited(container) -> bool:
@@ -507,6 +510,8 @@ environment (the Makefile's variables):
   CLUSTER_STATE_DIR  where runs are recorded (default .build/cluster)
   QUIET           1: do not stream the workers' logs while the job runs
   RUN_ID          the run's id (default: a new one per run)
+  MIN_NODES, MAX_RESTARTS  an elastic job (MODE=tcp|file|nfs): --nnodes MIN_NODES:NODES --max-restarts N;
+                  `make cluster-kill NODE=2` (distlib cluster kill) kills worker-2 mid-run
 """
 
 
@@ -522,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="print the last run's report again")
     rep.add_argument("--json", action="store_true", help="print report.json instead of the text")
     sub.add_parser("config", help="print the merged Compose file `up` would use for MODE")
+    sub.add_parser("kill", help="SIGKILL worker NODE (environment; worker-2 is NODE=2) of the last run: a lost node")
     return parser
 
 
@@ -542,6 +548,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return ps(cfg)
         if args.action == "report":
             return report(cfg, as_json=args.json)
+        if args.action == "kill":
+            return elastic.kill(cfg.state_dir, os.environ.get("NODE", ""))
         return config(cfg)
 
     return command.run("cluster", body)

@@ -21,6 +21,7 @@ from ..command import ToolError
 from ..jobs.compose_node import DEFAULT_JOB_MODULE, job_program
 from . import slurm
 from .auth_token import TOKEN_FILE
+from .elastic import COMPOSE_FILE as ELASTIC_FILE, ElasticCluster
 
 MODES = ("tcp", "rank0", "file", "nfs", "mpi", "slurm")
 DEFAULT_IMAGE = "distlib:cpu"
@@ -90,6 +91,8 @@ class Settings:
     state_dir: Path = field(default_factory=Path)
     run_id: str = ""
     passed_on: Dict[str, str] = field(default_factory=dict)
+    #: MIN_NODES/MAX_RESTARTS: an elastic job (elastic.py), else None.
+    elastic: Optional[ElasticCluster] = None
 
     @classmethod
     def from_env(cls, root: Path, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -134,6 +137,7 @@ class Settings:
             compose=env.get("COMPOSE", "").strip(), timeout_s=timeout_s, state_dir=state_dir, run_id=run_id,
             passed_on={k: env[k] for k in PASSED_ON if env.get(k)},
         )
+        made.elastic = ElasticCluster.from_env(env, made.nodes, mode)
         if made.job:
             made._check_job()
         return made
@@ -175,6 +179,8 @@ class Settings:
             files.append(d / "job-dir.yml")
         if self.gpu:
             files.append(d / "gpu.yml")
+        if self.elastic:
+            files.append(d / ELASTIC_FILE)
         if self.auth:  # the token in every container that serves or joins the store
             files.append(d / "auth.yml")
             if self.mode == "tcp":
@@ -209,4 +215,5 @@ class Settings:
         if self.nfs_server:
             out.update(NFS_SERVER=self.nfs_server, NFS_PATH=self.nfs_path)
         out.update(self.passed_on)
+        out.update(self.elastic.compose_variables() if self.elastic else {})
         return out

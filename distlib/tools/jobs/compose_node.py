@@ -20,7 +20,20 @@ All settings come from the environment the Compose files set:
                            the arguments after ``--`` go to it (the report paths)
 ``JOB_ARGS``               extra job arguments, one string (shell-style quoting), for either
 ``CLUSTER_GPUS_PER_NODE``  GPU=1 (compose/gpu.yml): GPUs this worker takes, one per process
+``MIN_NODES``              elastic (compose/elastic.yml): the fewest nodes the job runs with
+                           (``--nnodes MIN_NODES:MAX_NODES``)
+``MAX_NODES``              elastic: the most nodes a round may have (default ``NODES``)
+``MAX_RESTARTS``           elastic: ``--max-restarts`` for the whole job
+``RDZV_CONF``              elastic: ``--rdzv-conf`` (heartbeat, timeouts)
+``CHECKPOINT_EVERY``       elastic, default job: steps between checkpoints (default 10), kept in
+                           ``/workspace/checkpoints/<run id>/`` (the volume every worker mounts)
+``STEP_SECONDS``           elastic, default job: ``--step-seconds`` (a pause per step)
 =========================  ==================================================================
+
+**Elastic** (``MIN_NODES`` below ``NODES``, or ``MAX_RESTARTS`` above 0; modes tcp, file, nfs):
+the node ranks come from the rendezvous rounds (no DNS wait, no ``--node-rank``): a lost node
+is not waited for, and a container started later joins at the next round. tcp: the master
+service is the rendezvous store; file/nfs: ``file:///shared/<run id>/rdzv`` is.
 
 How a replica learns its node rank — Compose gives replicas of a service no index:
 
@@ -191,6 +204,54 @@ def program_from_env(argv: List[str]) -> List[str]:
         raise ToolError(str(exc)) from None
 
 
+def elastic_settings() -> Optional["tuple[int, int, int]"]:
+    """(MIN_NODES, MAX_NODES, MAX_RESTARTS) when the job is elastic, else None; ToolError for bad values."""
+    nodes = int(os.environ.get("NODES", "1"))
+    max_text = os.environ.get("MAX_NODES", "").strip() or str(nodes)
+    min_text = os.environ.get("MIN_NODES", "").strip()
+    restarts_text = os.environ.get("MAX_RESTARTS", "").strip() or "0"
+    if not max_text.isdigit() or int(max_text) < 1:
+        raise ToolError(f"MAX_NODES={max_text}: a number of nodes")
+    high = int(max_text)
+    if min_text and (not min_text.isdigit() or not 1 <= int(min_text) <= high):
+        raise ToolError(f"MIN_NODES={min_text}: a number of nodes from 1 to {high}")
+    if not restarts_text.isdigit():
+        raise ToolError(f"MAX_RESTARTS={restarts_text}: a number of restarts, 0 or more")
+    low = int(min_text) if min_text else nodes
+    if low == high == nodes and int(restarts_text) == 0:
+        return None
+    return low, high, int(restarts_text)
+
+
+def elastic_command(mode: str, run_id: str, elastic: "tuple[int, int, int]") -> List[str]:
+    """distlib-run's elastic flags for ``mode`` (module docstring)."""
+    low, high, restarts = elastic
+    nodes = f"{low}:{high}"
+    cmd = ["--nnodes", nodes, "--max-restarts", str(restarts), "--rdzv-backend", "c10d"]
+    rdzv_conf = os.environ.get("RDZV_CONF", "").strip()
+    if rdzv_conf:
+        cmd += ["--rdzv-conf", rdzv_conf]
+    if mode == "tcp":
+        endpoint = os.environ.get("MASTER_ENDPOINT", "master:29500")
+        log(f"elastic (--nnodes {nodes}, --max-restarts {restarts}): rounds on the master service at {endpoint}")
+        return cmd + ["--rdzv-endpoint", endpoint]
+    if mode in ("file", "nfs"):
+        shared = os.environ.get("SHARED_DIR", "/shared").rstrip("/") or "/shared"
+        log(f"elastic (--nnodes {nodes}, --max-restarts {restarts}): rounds on the FileStore "
+            f"{shared}/{run_id}/rdzv")
+        return cmd + ["--rdzv-endpoint", f"file://{shared}/{run_id}/rdzv"]
+    raise ToolError(f"MIN_NODES/MAX_RESTARTS (an elastic job) need MODE=tcp, file or nfs, not {mode}: rank0 means "
+                    "node 0 hosts the store, and a lost node 0 would take it along")
+
+
+def default_job_elastic_args(run_id: str) -> List[str]:
+    """The default job's checkpoint (on the volume every worker mounts) and pace when elastic."""
+    every = os.environ.get("CHECKPOINT_EVERY", "").strip() or "10"
+    args = ["--checkpoint", f"/workspace/checkpoints/{run_id}/train_dp.npz", "--checkpoint-every", every]
+    pace = os.environ.get("STEP_SECONDS", "").strip()
+    return args + (["--step-seconds", pace] if pace else [])
+
+
 def build_command(argv: List[str]) -> List[str]:
     mode = settings.cluster_mode()
     nodes = int(os.environ.get("NODES", "1"))
@@ -203,6 +264,15 @@ def build_command(argv: List[str]) -> List[str]:
     if os.environ.get("JOB", "").strip():
         log(f"your job: {' '.join(shlex.quote(w) for w in program)} in {os.getcwd()}")
     dns_timeout = float(os.environ.get("CLUSTER_DNS_TIMEOUT", "120"))
+    elastic = elastic_settings()
+    if elastic is not None:
+        if os.environ.get("CLUSTER_GPUS_PER_NODE", "").strip():
+            raise ToolError("GPU=1 with MIN_NODES/MAX_RESTARTS: the Compose cluster gives each worker its GPUs by its "
+                            "position among NODES containers, which an elastic job does not have; run it without GPU=1")
+        if not os.environ.get("JOB", "").strip() and program[:2] == ["-m", DEFAULT_JOB_MODULE]:
+            program = program + default_job_elastic_args(run_id)
+        cmd = ["distlib-run", "--nproc-per-node", nproc, "--run-id", run_id]
+        return cmd + elastic_command(mode, run_id, elastic) + program
     cmd = ["distlib-run", "--nnodes", str(nodes), "--nproc-per-node", nproc, "--run-id", run_id]
     slot: Optional[int] = None
     if mode == "tcp":

@@ -22,6 +22,14 @@ Run it on every rank (``python -m distlib.tools.jobs.train_dp`` under ``distlib-
    job fails on every rank (exit status 1);
 7. rank 0 prints the report and writes ``--report-json`` (and ``--report-text``).
 
+**Checkpoints** (``--checkpoint PATH --checkpoint-every N``), the pattern for an elastic job:
+rank 0 writes the weights, the optimizer's momentum and the next step to PATH every N steps
+(a new file renamed over the old one, so a reader never sees half of one); when the job starts
+— the first time or after a restart, with the same or another world size — rank 0 reads PATH
+if it exists and broadcasts it, and every rank goes on from that step. PATH must be on storage
+every node shares (a node lost takes its local disk with it). Each epoch's shuffle is drawn
+from (seed, rank, epoch), so a resumed epoch needs no saved random state.
+
 On cupy the products are elementwise kernels and sums (``matmul``): cupy's ``@`` calls cuBLAS,
 which the GPU image leaves out, and a 2177-parameter model does not need it.
 
@@ -98,6 +106,16 @@ class MLP:
             p = self.params[k]
             p[...] = flat[offset:offset + p.size].reshape(p.shape)
             offset += p.size
+
+    def flat_velocity(self):
+        return self.xp.concatenate([self.velocity[k].reshape(-1) for k in self.names])
+
+    def load_velocity(self, flat) -> None:
+        offset = 0
+        for k in self.names:
+            v = self.velocity[k]
+            v[...] = flat[offset:offset + v.size].reshape(v.shape)
+            offset += v.size
 
     def digest(self) -> bytes:
         return hashlib.sha256(b"".join(to_host(self.params[k]).tobytes() for k in self.names)).digest()
@@ -224,6 +242,12 @@ def render_report(report: Dict[str, object]) -> str:
                                f"{b['time_us'] / 1000:.2f} ms", f"{b['algbw_GBps']:.3f} GB/s",
                                f"{b['busbw_GBps']:.3f} GB/s"] for b in report["bandwidth"]]))
     lines.append("")
+    e = report.get("elastic") or {}
+    if e.get("restart_count") or e.get("resumed_from_step") is not None:
+        resumed = (f"resumed from the checkpoint at step {e['resumed_from_step']} ({e['checkpoint']})"
+                   if e.get("resumed_from_step") is not None else "started from scratch")
+        lines.append(f"elastic: this is restart {e['restart_count']} of at most {e['max_restarts']}; {resumed}")
+        lines.append("")
     w = report["weights"]
     if w["identical"]:
         lines.append(f"weights: identical on all {run['world_size']} ranks (sha256 {w['sha256'][0][:16]})")
@@ -235,6 +259,42 @@ def render_report(report: Dict[str, object]) -> str:
                      "; ".join(f"ranks {v} sha256 {k[:16]}" for k, v in groups.items()))
     lines.append(f"RESULT: {'PASS' if report['ok'] else 'FAIL'} in {report['elapsed_s']:.1f} s")
     return "\n".join(lines)
+
+
+def save_checkpoint(path: str, model: "MLP", next_step: int, restart_count: int) -> None:
+    """The weights, the momentum and the next step, written to a new file renamed over ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, params=to_host(model.flat()), velocity=to_host(model.flat_velocity()),
+             next_step=np.int64(next_step), restart_count=np.int64(restart_count))
+    os.replace(tmp, path)
+
+
+def resume(dist, path: Optional[str], model: "MLP", xp) -> Optional[Dict[str, int]]:
+    """Rank 0 reads the checkpoint at ``path`` (when there is one) and every rank takes it;
+    None when there is none. A checkpoint of another model shape is an error that says so."""
+    if not path:
+        return None
+    rank = dist.get_rank()
+    meta = xp.zeros(2, xp.int64)  # found, next step
+    loaded = None
+    if rank == 0 and os.path.exists(path):
+        with np.load(path) as data:
+            loaded = {k: data[k] for k in ("params", "velocity", "next_step", "restart_count")}
+        if loaded["params"].size != model.numel():
+            raise RuntimeError(f"checkpoint {path} holds {loaded['params'].size} parameters, this model has "
+                               f"{model.numel()}: a checkpoint of another --features/--hidden (remove it)")
+        meta[0], meta[1] = 1, int(loaded["next_step"])
+    dist.broadcast(meta, src=0)
+    if not int(meta[0]):
+        return None
+    params = xp.asarray(loaded["params"]) if rank == 0 else xp.empty(model.numel(), xp.float32)
+    velocity = xp.asarray(loaded["velocity"]) if rank == 0 else xp.empty(model.numel(), xp.float32)
+    dist.broadcast(params, src=0)
+    dist.broadcast(velocity, src=0)
+    model.load_flat(params)
+    model.load_velocity(velocity)
+    return {"next_step": int(meta[1]), "written_in_restart": int(loaded["restart_count"]) if rank == 0 else -1}
 
 
 def write_file(path: Optional[str], text: str) -> None:
@@ -271,11 +331,19 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="process-group timeout in seconds: init and every collective (default 300)")
     p.add_argument("--crash-rank", type=int, default=None,
-                   help="fault injection: this rank exits with status 3 at the first step of epoch 1")
+                   help="fault injection: this rank exits with status 3 at the first step it runs (every time "
+                        "it is started, e.g. after each restart of an elastic job)")
+    p.add_argument("--checkpoint", metavar="PATH",
+                   help="a checkpoint file on storage every node shares: written every --checkpoint-every steps "
+                        "by rank 0, read at the start when it exists (the job resumes from it)")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                   help="steps between two checkpoints (default 10; with --checkpoint)")
+    p.add_argument("--step-seconds", type=float, default=0.0, metavar="S",
+                   help="pause after each step (default 0): stretches a demo so that a node can be lost mid-run")
     args = p.parse_args(argv)
     sizes = args.bench_sizes.strip().lower()
     args.sizes = [] if sizes in ("", "none", "0") else parse_sizes(args.bench_sizes)
-    for name in ("epochs", "steps_per_epoch", "batch_size", "features", "hidden"):
+    for name in ("epochs", "steps_per_epoch", "batch_size", "features", "hidden", "checkpoint_every"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     return args
@@ -311,18 +379,29 @@ def run(args: argparse.Namespace) -> int:
     flat = model.flat()
     dist.broadcast(flat, src=0)
     model.load_flat(flat)
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if rank == 0:  # the first collective of this start (the elastic measurement reads this line)
+        C.say(f"train_dp: first collective done: restart {restart_count}, world size {world}, unix {time.time():.3f}")
+    resumed = resume(dist, args.checkpoint, model, xp)
+    start_step = resumed["next_step"] if resumed else 0
+    if rank == 0 and resumed:
+        C.say(f"train_dp: resumed from the checkpoint {args.checkpoint} at step {start_step} (written in restart "
+              f"{resumed['written_in_restart']}; now restart {restart_count}, world size {world})")
 
     samples = args.steps_per_epoch * args.batch_size
     x, y = (xp.asarray(a) for a in synthetic_shard(rank, samples, args.features, args.seed))
-    order_rng = np.random.default_rng([args.seed, 2000 + rank])
 
     epochs = []
     for epoch in range(1, args.epochs + 1):
         t0 = time.monotonic()
-        order = order_rng.permutation(samples)
+        order = np.random.default_rng([args.seed, 2000 + rank, epoch]).permutation(samples)
         sums = xp.zeros(3, xp.float64)  # loss sum, correct count, samples
+        ran = 0
         for step in range(args.steps_per_epoch):
-            if args.crash_rank == rank and epoch == 1 and step == 0:
+            global_step = (epoch - 1) * args.steps_per_epoch + step
+            if global_step < start_step:
+                continue
+            if args.crash_rank == rank:
                 C.say(f"train_dp: rank {rank}: --crash-rank {rank}: exiting with status 3 (fault injection)",
                       sys.stderr)
                 os._exit(3)
@@ -334,6 +413,13 @@ def run(args: argparse.Namespace) -> int:
             sums[0] += loss * len(idx)
             sums[1] += accuracy * len(idx)
             sums[2] += len(idx)
+            ran += 1
+            if args.checkpoint and rank == 0 and (global_step + 1) % args.checkpoint_every == 0:
+                save_checkpoint(args.checkpoint, model, global_step + 1, restart_count)
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
+        if not ran:
+            continue  # an epoch the checkpoint had already finished
         dist.all_reduce(sums)
         totals = to_host(sums)  # (waits for the epoch's work on a GPU)
         entry = {"epoch": epoch, "loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2]),
@@ -366,6 +452,9 @@ def run(args: argparse.Namespace) -> int:
         "epochs": epochs,
         "bandwidth": bandwidth,
         "weights": {"identical": identical, "sha256": hexes},
+        "elastic": {"restart_count": restart_count,
+                    "max_restarts": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
+                    "checkpoint": args.checkpoint, "resumed_from_step": start_step if resumed else None},
         "elapsed_s": time.monotonic() - started,
     }
     if rank == 0:

@@ -157,6 +157,15 @@ podSecurityContext.fsGroup (1000, the image's user's), so the containers can rea
 
 {{/* Checks the schema cannot express with a clear message; included by the Job. */}}
 {{- define "distlib.validate" -}}
+{{- if .Values.elastic.enabled -}}
+{{- if eq .Values.mode "rank0" -}}
+{{- fail "elastic.enabled with mode \"rank0\": pod 0 hosts the store in rank0 mode, and losing it would lose the job; use mode tcp (the master service) or file" -}}
+{{- end -}}
+{{- $max := .Values.elastic.maxReplicas | default .Values.nodes -}}
+{{- if gt (int .Values.elastic.minReplicas) (int $max) -}}
+{{- fail (printf "elastic.minReplicas (%d) is larger than elastic.maxReplicas (%d)" (int .Values.elastic.minReplicas) (int $max)) -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.auth.enabled .Values.master.externalEndpoint (eq .Values.mode "tcp") (not .Values.auth.existingSecret) -}}
 {{- fail "master.externalEndpoint with auth.enabled: the shared store server has a token of its own, which a token made by this chart cannot match; put it in a Secret and set auth.existingSecret (and auth.existingSecretKey), or set auth.enabled=false for a server without a token" -}}
 {{- end -}}
@@ -193,7 +202,7 @@ the kubelet expands $(VAR) only from variables defined earlier in the list.
   value: {{ include "distlib.runId" . | quote }}
 - name: DISTLIB_BACKEND
   value: {{ .Values.backend | quote }}
-{{- if eq .Values.mode "file" }}
+{{- if and (eq .Values.mode "file") (not .Values.elastic.enabled) }}
 - name: DISTLIB_INIT_METHOD
   value: {{ printf "file://%s/$(DISTLIB_RUN_ID)/store" (.Values.file.mountPath | trimSuffix "/") | quote }}
 {{- end }}

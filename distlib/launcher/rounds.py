@@ -1,0 +1,400 @@
+"""The elastic rendezvous as a pure state machine: a job's state and one agent's view in, an
+action out. No store, no processes, no clock: ``rounds_store.py`` keeps the state in a store
+(compare_set), ``elastic_agent.py`` acts; this module decides, so every rule is tested here
+with plain values (tests/launcher/test_rounds.py).
+
+The job goes through **rounds**, numbered from 0. A round is *joining* (nodes join; late nodes
+of a running round wait), then *running* (its nodes have node ranks and run workers), until a
+restart opens the next round, or the job *succeeded* (every node of the round finished) or
+*failed*. The number of a round is the job's restart count: one counter in the store, the same
+for every node and every worker (``TORCHELASTIC_RESTART_COUNT``), so ``--max-restarts`` is a
+job-wide limit — a node that leaves and comes back is a new node in a new round, never a reset.
+
+A joining round closes when MAX nodes have joined; or when at least MIN have and either every
+node still alive from the previous round (and every late node) has joined, or the last-call
+window has passed since MIN was reached. Closing assigns node ranks: a node keeps its rank from
+the previous round where that rank still exists, then a node's hint (its ``--node-rank``) is
+used where free, then the free ranks go in join order.
+
+Liveness is each agent's own observation (``View.silent``: seconds since it last saw a node's
+heartbeat counter move), so no two clocks are ever compared. A node silent for longer than the
+bound is dropped: from a running round that is a restart ("node lost"), from a joining round it
+is no longer waited for.
+
+Restart causes are kept per round (the node lost first: it is usually why the workers failed),
+and every closed round is recorded, so a failure can list them all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+JOINING, RUNNING, SUCCEEDED, FAILED = "joining", "running", "succeeded", "failed"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One agent: where it runs and what it brings (its workers, its preferred node rank)."""
+
+    name: str
+    addr: str
+    pid: int
+    nproc: int
+    hint: Optional[int] = None
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.addr}, pid {self.pid})"
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """A closed round: why it exists, its nodes in node-rank order, its world size."""
+
+    number: int
+    causes: Tuple[str, ...]
+    nodes: Tuple[str, ...]
+    world_size: int
+
+
+@dataclass(frozen=True)
+class JobState:
+    """The whole job as the store holds it (module docstring)."""
+
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    round: int = 0
+    phase: str = JOINING
+    #: joining: the nodes that joined this round, in order.
+    joined: Tuple[str, ...] = ()
+    #: joining (round > 0): the nodes of the previous round believed alive, and late nodes.
+    expected: Tuple[str, ...] = ()
+    #: running: the round's nodes by node rank; joining: the previous round's (rank stability).
+    ranks: Tuple[str, ...] = ()
+    #: running: nodes that arrived after the round closed.
+    waiting: Tuple[str, ...] = ()
+    #: running: nodes of the round whose workers all succeeded.
+    done: Tuple[str, ...] = ()
+    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
+    #: nodes that left or were lost, and why; a node id is never admitted again.
+    gone: Mapping[str, str] = field(default_factory=dict)
+    #: why the current round exists.
+    causes: Tuple[str, ...] = ("start",)
+    history: Tuple[RoundRecord, ...] = ()
+    #: succeeded/failed: what happened, in words.
+    outcome: str = ""
+
+    def describe(self, node: str) -> str:
+        info = self.nodes.get(node)
+        return info.describe() if info else node
+
+    def world_size(self) -> int:
+        return sum(self.nodes[n].nproc for n in self.ranks)
+
+    def first_rank(self, node: str) -> int:
+        """The global rank of ``node``'s local rank 0 (nodes may run different numbers of workers)."""
+        position = self.ranks.index(node)
+        return sum(self.nodes[n].nproc for n in self.ranks[:position])
+
+    # -- JSON, the store's form ---------------------------------------------------------------------
+
+    def to_json(self) -> bytes:
+        data = {
+            "format": FORMAT, "min": self.min_nodes, "max": self.max_nodes, "max_restarts": self.max_restarts,
+            "round": self.round, "phase": self.phase, "joined": self.joined, "expected": self.expected,
+            "ranks": self.ranks, "waiting": self.waiting, "done": self.done,
+            "nodes": {k: [v.name, v.addr, v.pid, v.nproc, v.hint] for k, v in self.nodes.items()},
+            "gone": dict(self.gone), "causes": self.causes,
+            "history": [[r.number, r.causes, r.nodes, r.world_size] for r in self.history],
+            "outcome": self.outcome,
+        }
+        return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "JobState":
+        """ValueError (saying what it is) for bytes that are not a state of this format."""
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+            return cls(
+                min_nodes=data["min"], max_nodes=data["max"], max_restarts=data["max_restarts"],
+                round=data["round"], phase=data["phase"], joined=tuple(data["joined"]),
+                expected=tuple(data["expected"]), ranks=tuple(data["ranks"]), waiting=tuple(data["waiting"]),
+                done=tuple(data["done"]),
+                nodes={k: NodeInfo(v[0], v[1], v[2], v[3], v[4]) for k, v in data["nodes"].items()},
+                gone=dict(data["gone"]), causes=tuple(data["causes"]),
+                history=tuple(RoundRecord(h[0], tuple(h[1]), tuple(h[2]), h[3]) for h in data["history"]),
+                outcome=data["outcome"],
+            )
+        except (KeyError, IndexError, TypeError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not an elastic job state ({type(exc).__name__}: {exc})") from None
+
+
+def initial(min_nodes: int, max_nodes: int, max_restarts: int) -> JobState:
+    return JobState(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
+
+
+def config_mismatch(state: JobState, min_nodes: int, max_nodes: int, max_restarts: int) -> Optional[str]:
+    """Words for a node started with other limits than the job's, or None when they agree."""
+    mine = (min_nodes, max_nodes, max_restarts)
+    theirs = (state.min_nodes, state.max_nodes, state.max_restarts)
+    if mine == theirs:
+        return None
+    return (f"this node was started with --nnodes {min_nodes}:{max_nodes} --max-restarts {max_restarts}, but the job "
+            f"runs with --nnodes {state.min_nodes}:{state.max_nodes} --max-restarts {state.max_restarts}: every "
+            "node must be started with the same values")
+
+
+# -- transitions -----------------------------------------------------------------------------------
+
+
+def _without(items: Sequence[str], node: str) -> Tuple[str, ...]:
+    return tuple(n for n in items if n != node)
+
+
+def join(state: JobState, node: str, info: NodeInfo) -> JobState:
+    """``node`` asks in: into the joining round while there is room, else onto the waiting list."""
+    if node in state.gone or state.phase in (SUCCEEDED, FAILED):
+        return state
+    nodes = {**state.nodes, node: info}
+    if state.phase == JOINING:
+        if node in state.joined:
+            return state
+        if len(state.joined) < state.max_nodes:
+            return replace(state, joined=state.joined + (node,), waiting=_without(state.waiting, node), nodes=nodes)
+    if node in state.ranks and state.phase == RUNNING or node in state.waiting:
+        return state
+    return replace(state, waiting=state.waiting + (node,), nodes=nodes)
+
+
+def assign_ranks(members: Sequence[str], previous: Sequence[str], hints: Mapping[str, Optional[int]]) -> Tuple[str, ...]:
+    """Node ranks for ``members`` (in join order): the previous rank where it still exists, then
+    the hint where free, then the free ranks in join order."""
+    size = len(members)
+    slots: List[Optional[str]] = [None] * size
+    placed = set()
+    for node in members:
+        if node in previous and previous.index(node) < size:
+            slots[previous.index(node)] = node
+            placed.add(node)
+    for node in members:
+        hint = hints.get(node)
+        if node not in placed and hint is not None and 0 <= hint < size and slots[hint] is None:
+            slots[hint] = node
+            placed.add(node)
+    rest = iter(n for n in members if n not in placed)
+    return tuple(slot if slot is not None else next(rest) for slot in slots)
+
+
+def close(state: JobState) -> JobState:
+    """Close the joining round: node ranks, a history record, running."""
+    members = state.joined[:state.max_nodes]
+    ranks = assign_ranks(members, state.ranks, {n: state.nodes[n].hint for n in members})
+    absent = tuple(f"node did not come back: {state.describe(n)} (not in round {state.round} by its last call)"
+                   for n in state.expected if n not in state.joined)
+    closed = replace(state, phase=RUNNING, ranks=ranks, joined=(), expected=(), done=(),
+                     waiting=state.joined[state.max_nodes:] + state.waiting, causes=absent + state.causes)
+    record = RoundRecord(state.round, closed.causes, ranks, closed.world_size())
+    return replace(closed, history=state.history + (record,))
+
+
+def fail(state: JobState, why: str) -> JobState:
+    return replace(state, phase=FAILED, outcome=why)
+
+
+def restart(state: JobState, for_round: int, causes: Sequence[str]) -> JobState:
+    """The next round, for ``causes`` seen in round ``for_round`` (a no-op when that round is no
+    longer the running one: another node asked first). No restarts left, or a node already
+    finished: the job fails instead."""
+    if state.phase != RUNNING or state.round != for_round:
+        return state
+    why = "; ".join(causes)
+    if state.done:
+        finished = ", ".join(state.describe(n) for n in state.done)
+        return fail(state, f"{why} in round {state.round}, after node(s) {finished} had finished their workers "
+                           "(a round that has begun to finish is not restarted)")
+    if state.round >= state.max_restarts:
+        return fail(state, f"{why} in round {state.round}, and no restarts are left "
+                           f"(--max-restarts {state.max_restarts}: {state.round} used)")
+    alive = tuple(n for n in state.ranks if n not in state.gone) + state.waiting
+    return replace(state, round=state.round + 1, phase=JOINING, joined=(), expected=alive, waiting=(), done=(),
+                   causes=tuple(causes))
+
+
+def drop(state: JobState, node: str, why: str) -> JobState:
+    """``node`` left or was lost (``why`` in words): never waited for again; a running round
+    that had it restarts, and a joining round that waited for it records why."""
+    if node in state.gone or state.phase in (SUCCEEDED, FAILED):
+        return state
+    was_member = node in state.ranks or node in state.joined or node in state.expected
+    out = replace(state, gone={**state.gone, node: why}, joined=_without(state.joined, node),
+                  expected=_without(state.expected, node), waiting=_without(state.waiting, node))
+    if state.phase == RUNNING and node in state.ranks and node not in state.done:
+        return restart(out, state.round, (why,))
+    if state.phase == JOINING and was_member:
+        return replace(out, causes=(why,) + state.causes)
+    return out
+
+
+def finish_node(state: JobState, node: str, for_round: int) -> JobState:
+    """``node``'s workers of round ``for_round`` all succeeded; the last one ends the job."""
+    if state.phase != RUNNING or state.round != for_round or node not in state.ranks or node in state.done:
+        return state
+    done = state.done + (node,)
+    if set(done) >= set(state.ranks):
+        return replace(state, done=done, phase=SUCCEEDED,
+                       outcome=f"every node of round {state.round} finished ({len(done)} node(s), "
+                               f"world size {state.world_size()})")
+    return replace(state, done=done)
+
+
+# -- one agent's decision ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class View:
+    """What one agent sees besides the state: its own clock and observations (seconds)."""
+
+    now: float
+    #: seconds since this agent last saw each node's heartbeat counter change
+    silent: Mapping[str, float]
+    heartbeat_bound: float
+    join_timeout: float
+    last_call_timeout: float
+    #: when this agent first saw the current round joining
+    round_opened_at: float
+    #: when this agent first saw at least MIN nodes in the current round (None: not yet)
+    min_reached_at: Optional[float] = None
+    #: when this agent began to wait as a late node (None: it is not waiting)
+    waiting_since: Optional[float] = None
+    #: the round this agent's workers belong to (None: no workers running)
+    running_round: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Action:
+    """What the agent does next. ``kind``:
+
+    * ``write``: put ``state`` in the store (compare_set against what was read), then decide again;
+    * ``wait``: nothing to do yet (``text`` says for what); look again after the monitor interval;
+    * ``start``: start this node's workers for the running round;
+    * ``stop``: stop this node's workers (a new round began: ``text`` says why), then decide again;
+    * ``keep``: the workers run in the current round: watch them;
+    * ``rejoin``: this node was dropped (``text``): stop its workers, come back as a new node;
+    * ``finish``: the job (or this node's part) is over: exit with ``status``, saying ``text``.
+    """
+
+    kind: str
+    text: str = ""
+    state: Optional[JobState] = None
+    status: int = 0
+
+
+def watched(state: JobState) -> Tuple[str, ...]:
+    """The nodes whose silence matters now."""
+    if state.phase == RUNNING:
+        return tuple(n for n in state.ranks if n not in state.done) + state.waiting
+    if state.phase == JOINING:
+        return tuple(dict.fromkeys(state.joined + state.expected))
+    return ()
+
+
+def _names(state: JobState, nodes: Iterable[str]) -> str:
+    return ", ".join(state.describe(n) for n in nodes) or "none"
+
+
+def _closing(state: JobState, view: View) -> bool:
+    joined = len(state.joined)
+    if joined >= state.max_nodes:
+        return True
+    if joined < state.min_nodes:
+        return False
+    if state.expected and set(state.expected) <= set(state.joined):
+        return True
+    return view.min_reached_at is not None and view.now - view.min_reached_at >= view.last_call_timeout
+
+
+def _too_few(state: JobState, view: View) -> str:
+    missing = [f"{state.describe(n)}: {why}" for n, why in state.gone.items() if n in state.ranks]
+    return (f"round {state.round}: {len(state.joined)} node(s) joined ({_names(state, state.joined)}), fewer than "
+            f"the minimum {state.min_nodes}, within the join timeout of {view.join_timeout:g} s; gone from round "
+            f"{state.round - 1}: " + ("; ".join(missing) if missing else "none") if state.round else
+            f"round 0: {len(state.joined)} node(s) joined ({_names(state, state.joined)}), fewer than the minimum "
+            f"{state.min_nodes}, within the join timeout of {view.join_timeout:g} s: start the other nodes with "
+            "the same --rdzv-endpoint and --rdzv-id")
+
+
+def decide(state: JobState, node: str, info: NodeInfo, view: View) -> Action:
+    """Agent ``node``'s next action (``Action`` says what each kind means)."""
+    if state.phase == SUCCEEDED:
+        if node in state.ranks:
+            return Action("finish", f"the job succeeded: {state.outcome}")
+        return Action("finish", f"the job finished (round {state.round}) before this node was admitted")
+    if state.phase == FAILED:
+        return Action("finish", state.outcome, status=1)
+    if node in state.gone:
+        return Action("rejoin", f"this node was dropped from the job: {state.gone[node]}")
+    for other in watched(state):
+        silent = view.silent.get(other, 0.0)
+        if other != node and silent > view.heartbeat_bound:
+            why = f"node lost: {state.describe(other)}: no heartbeat for {silent:.0f} s"
+            return Action("write", why, drop(state, other, why))
+    if view.running_round is not None and (state.phase != RUNNING or view.running_round != state.round):
+        return Action("stop", f"round {state.round} began: {'; '.join(state.causes)}")
+    if state.phase == JOINING:
+        if node not in state.joined:
+            return Action("write", f"joining round {state.round}", join(state, node, info))
+        if _closing(state, view):
+            return Action("write", f"closing round {state.round}", close(state))
+        if len(state.joined) < state.min_nodes and view.now - view.round_opened_at > view.join_timeout:
+            return Action("write", "join timeout", fail(state, _too_few(state, view)))
+        return Action("wait", f"round {state.round}: {len(state.joined)} of {state.min_nodes}..{state.max_nodes} "
+                              f"node(s) joined")
+    # running
+    if node in state.ranks:
+        if node in state.done:
+            return Action("finish", f"this node's workers of round {state.round} finished")
+        if view.running_round != state.round:
+            return Action("start", f"round {state.round}")
+        if state.waiting and len(state.ranks) < state.max_nodes and not state.done \
+                and state.round < state.max_restarts:
+            why = "node joined: " + _names(state, state.waiting)
+            return Action("write", why, restart(state, state.round, (why,)))
+        return Action("keep")
+    if node not in state.waiting:
+        return Action("write", f"waiting to be admitted after round {state.round}", join(state, node, info))
+    if view.waiting_since is not None and view.now - view.waiting_since > view.join_timeout:
+        room = ("no restarts are left" if state.round >= state.max_restarts else
+                f"it has the most nodes allowed ({state.max_nodes})" if len(state.ranks) >= state.max_nodes else
+                "no restart came")
+        return Action("finish", f"not admitted within the join timeout of {view.join_timeout:g} s: round "
+                                f"{state.round} runs with {len(state.ranks)} node(s) and {room}", status=1)
+    return Action("wait", f"waiting for the next round (round {state.round} runs with {len(state.ranks)} node(s))")
+
+
+# -- words ------------------------------------------------------------------------------------------
+
+
+def round_line(state: JobState, node: str) -> str:
+    """The one line every node prints when a round starts after a restart."""
+    rank = state.ranks.index(node)
+    return (f"round {state.round} (restart {state.round} of at most {state.max_restarts}): "
+            f"{'; '.join(state.causes)}; now {len(state.ranks)} node(s), world size {state.world_size()} "
+            f"(this node: node rank {rank}, global ranks {state.first_rank(node)}.."
+            f"{state.first_rank(node) + state.nodes[node].nproc - 1})")
+
+
+def rounds_text(state: JobState) -> List[str]:
+    """Every round of the job and its cause, one line each (for a failure and for the report)."""
+    lines = []
+    for record in state.history:
+        names = ", ".join(f"{i}={state.describe(n)}" for i, n in enumerate(record.nodes))
+        lines.append(f"round {record.number}: {'; '.join(record.causes)} -> {len(record.nodes)} node(s), world "
+                     f"size {record.world_size} (node ranks: {names})")
+    if state.phase == JOINING:
+        lines.append(f"round {state.round}: {'; '.join(state.causes)} -> never closed")
+    return lines

@@ -1,0 +1,77 @@
+"""The elastic flags: when a launch is elastic, --rdzv-conf's keys, and what cannot be elastic."""
+
+from __future__ import annotations
+
+import pytest
+
+from distlib.launcher.elastic_config import RdzvConf, elastic_plan, is_elastic, parse_rdzv_conf
+from distlib.launcher.resolve import Flags, ResolveError, resolve
+
+
+def res(env=None, **flags):
+    return resolve(Flags(**flags), env or {})
+
+
+def test_torchs_defaults_and_a_10_s_heartbeat_bound():
+    conf, notes = parse_rdzv_conf(None)
+    assert conf == RdzvConf() and notes == []
+    assert (conf.join_timeout, conf.last_call_timeout, conf.close_timeout) == (600, 30, 30)
+    assert conf.heartbeat_bound == 10.0
+
+
+def test_keys_set_values_and_torch_only_keys_are_noted():
+    conf, notes = parse_rdzv_conf("join_timeout=90, keep_alive_interval=0.5,keep_alive_max_attempt=3,is_host=1")
+    assert (conf.join_timeout, conf.heartbeat_bound) == (90, 1.5)
+    assert notes == ["--rdzv-conf is_host=1: torch's key, not used by distlib-run (ignored)"]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("join_timeout", "'join_timeout' is not key=value"),
+    ("join_timeout=soon", "join_timeout='soon' (from flag --rdzv-conf): not a number of seconds"),
+    ("last_call_timeout=0", "must be a positive number of seconds"),
+    ("keep_alive_max_attempt=0", "must be at least 1"),
+    ("heartbeat=3", "unknown key 'heartbeat'"),
+])
+def test_bad_values_name_the_key(text, words):
+    with pytest.raises(ResolveError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        parse_rdzv_conf(text)
+
+
+@pytest.mark.parametrize("flags, restarts, elastic", [
+    ({"nnodes": "2"}, 0, False),
+    ({"nnodes": "2:2"}, 0, False),
+    ({"nnodes": "2"}, 1, True),
+    ({"nnodes": "1:3", "rdzv_backend": "c10d", "rdzv_endpoint": "m:1"}, 0, True),
+    ({"rdzv_backend": "c10d", "rdzv_endpoint": "file:///s/r"}, 0, True),
+])
+def test_when_a_launch_is_elastic(flags, restarts, elastic):
+    assert is_elastic(res(**flags), restarts) is elastic
+
+
+@pytest.mark.parametrize("flags, env, words", [
+    ({"nnodes": "1:3"}, {}, "with --rdzv-backend static: static means a fixed set of nodes"),
+    ({"nnodes": "1:3", "rdzv_backend": "c10d", "rdzv_endpoint": "m:1"}, {"DISTLIB_INIT_METHOD": "file:///s/x"},
+     "restarts and membership changes need a store for every round"),
+    ({"standalone": True}, {}, None),
+])
+def test_what_cannot_be_elastic_says_why(flags, env, words):
+    resolved = res(env, **flags)
+    if words is None:  # a single node on a private store may restart
+        assert elastic_plan(resolved, 2, 0.1, None).max_restarts == 2
+        return
+    with pytest.raises(ResolveError, match=words):
+        elastic_plan(resolved, 1, 0.1, None)
+
+
+def test_a_file_endpoint_that_cannot_be_opened_fails_at_once_naming_it(tmp_path):
+    import subprocess
+
+    from .conftest import clean_env, launcher_cmd
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    done = subprocess.run(launcher_cmd("--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                       f"file://{blocked}/rdzv", "--rdzv-id", "x", "x.py"),
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"the rendezvous store at {blocked}/rdzv cannot be opened:" in done.stderr, done.stderr

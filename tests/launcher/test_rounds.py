@@ -1,0 +1,251 @@
+"""The elastic rendezvous's state machine (distlib/launcher/rounds.py), without processes or a
+store: a state and a view in, an action out."""
+
+from __future__ import annotations
+
+import pytest
+
+from distlib.launcher import rounds as R
+
+INFO = {n: R.NodeInfo(f"host-{n}", f"10.0.0.{i + 1}", 100 + i, 2) for i, n in enumerate("abcde")}
+
+
+def view(now=0.0, silent=None, running=None, opened=0.0, min_at=None, waiting_since=None, bound=10.0,
+         join_timeout=600.0, last_call=30.0):
+    return R.View(now=now, silent=silent or {}, heartbeat_bound=bound, join_timeout=join_timeout,
+                  last_call_timeout=last_call, round_opened_at=opened, min_reached_at=min_at,
+                  waiting_since=waiting_since, running_round=running)
+
+
+def joined(state, *nodes):
+    for n in nodes:
+        state = R.join(state, n, INFO[n])
+    return state
+
+
+def running(min_nodes=2, max_nodes=3, max_restarts=3, nodes="abc"):
+    return R.close(joined(R.initial(min_nodes, max_nodes, max_restarts), *nodes))
+
+
+def act(state, node, **kw):
+    return R.decide(state, node, INFO[node], view(**kw))
+
+
+# -- joining and closing -------------------------------------------------------------------------------
+
+
+def test_a_new_node_joins_the_open_round():
+    state = R.initial(2, 3, 0)
+    action = act(state, "a")
+    assert action.kind == "write" and action.state.joined == ("a",), action
+
+
+def test_the_round_closes_at_max_at_once():
+    state = joined(R.initial(2, 3, 0), "a", "b", "c")
+    action = act(state, "b")
+    assert action.kind == "write" and action.state.phase == R.RUNNING
+    assert action.state.ranks == ("a", "b", "c")  # join order
+    assert action.state.history[0].world_size == 6
+
+
+def test_at_min_the_round_waits_for_the_last_call_then_closes():
+    state = joined(R.initial(2, 4, 0), "a", "b")
+    assert act(state, "a", now=5.0, min_at=0.0).kind == "wait"
+    action = act(state, "a", now=30.0, min_at=0.0)
+    assert action.kind == "write" and action.state.phase == R.RUNNING and action.state.ranks == ("a", "b")
+
+
+def test_below_min_the_round_waits_then_fails_after_the_join_timeout_naming_who_joined():
+    state = joined(R.initial(2, 3, 0), "a")
+    assert act(state, "a", now=599.0).kind == "wait"
+    action = act(state, "a", now=601.0)
+    assert action.kind == "write" and action.state.phase == R.FAILED
+    assert "round 0: 1 node(s) joined (host-a (10.0.0.1, pid 100)), fewer than the minimum 2" in action.state.outcome
+
+
+def test_a_restart_round_closes_as_soon_as_every_survivor_has_joined():
+    state = R.restart(running(nodes="abc"), 0, ("worker failed",))
+    state = joined(state, "b", "c")
+    assert act(state, "c").kind == "wait"  # a is alive and expected
+    state = R.drop(state, "a", "node lost: host-a: no heartbeat for 11 s")
+    action = act(state, "c", now=1.0, min_at=0.5)  # long before the last call
+    assert action.kind == "write" and action.state.phase == R.RUNNING
+    assert action.state.causes[0].startswith("node lost: host-a")  # the root cause first
+    assert action.state.causes[1] == "worker failed"
+
+
+def test_a_joining_node_is_told_to_stop_workers_of_the_old_round_first():
+    state = R.restart(running(), 0, ("worker failed",))
+    assert act(state, "b", running=0).kind == "stop"
+
+
+# -- node ranks ------------------------------------------------------------------------------------------
+
+
+def test_ranks_stay_where_they_can_and_the_lost_rank_is_refilled():
+    """Node a (rank 0) is lost: b keeps rank 1, c (rank 2 no longer exists) takes rank 0 — the
+    case of torch #182221, where a node moving to rank 0 crashed the rendezvous."""
+    state = running(nodes="abc")
+    state = R.drop(state, "a", "node lost")
+    state = R.close(joined(state, "c", "b"))
+    assert state.ranks == ("c", "b")
+    assert state.first_rank("c") == 0 and state.world_size() == 4
+
+
+def test_hints_are_used_in_the_first_round():
+    state = R.initial(3, 3, 0)
+    for n, hint in (("a", 2), ("b", None), ("c", 0)):
+        state = R.join(state, n, R.NodeInfo(n, "x", 1, 1, hint))
+    assert R.close(state).ranks == ("c", "b", "a")
+
+
+def test_assign_ranks_keeps_previous_over_hints():
+    assert R.assign_ranks(["x", "y"], previous=["y", "x"], hints={"x": 0, "y": 1}) == ("y", "x")
+
+
+# -- restarts ----------------------------------------------------------------------------------------
+
+
+def test_the_restart_count_is_the_jobs_and_max_restarts_is_job_wide():
+    """torch #108158: every node sees the same count; a crash on one node uses the job's budget."""
+    state = running(max_restarts=2)
+    for expected_round in (1, 2):
+        state = R.restart(state, state.round, (f"worker failed: rank 2 exited with code 3",))
+        assert state.round == expected_round and state.phase == R.JOINING
+        state = R.close(joined(state, "a", "b", "c"))
+    state = R.restart(state, 2, ("worker failed: rank 2 exited with code 3",))
+    assert state.phase == R.FAILED
+    assert "no restarts are left (--max-restarts 2: 2 used)" in state.outcome
+    lines = R.rounds_text(state)
+    assert [line.split(":")[0] for line in lines] == ["round 0", "round 1", "round 2"]
+    assert lines[0].startswith("round 0: start -> 3 node(s), world size 6")
+    assert lines[1].startswith("round 1: worker failed: rank 2 exited with code 3 -> 3 node(s)")
+
+
+def test_a_second_report_of_the_same_failure_does_not_restart_twice():
+    state = running()
+    first = R.restart(state, 0, ("worker failed on a",))
+    assert R.restart(first, 0, ("worker failed on b",)) is first
+    again = R.drop(first, "c", "node lost")
+    assert again.round == 1
+
+
+def test_a_node_that_leaves_and_comes_back_at_once_costs_a_restart():
+    """torch #147064: a quick leave-and-rejoin must not bypass --max-restarts. The new agent is
+    a new node; the old one's silence (or its workers' failures) restarts the job, counted."""
+    state = running(max_restarts=0)
+    state = R.join(state, "d", INFO["d"])  # c's agent, restarted at once, is a new node
+    assert state.waiting == ("d",) and state.round == 0
+    # no restarts left: the newcomer does not restart the job by itself
+    assert act(state, "a", running=0).kind == "keep"
+    action = act(state, "a", running=0, silent={"c": 12.0})
+    assert action.kind == "write" and action.state.phase == R.FAILED
+    assert "node lost: host-c (10.0.0.3, pid 102): no heartbeat for 12 s" in action.state.outcome
+
+
+def test_a_late_node_is_admitted_at_the_next_round_when_there_is_room():
+    state = running(nodes="ab")
+    state = R.join(state, "c", INFO["c"])
+    action = act(state, "a", running=0)
+    assert action.kind == "write" and action.state.round == 1
+    assert action.state.causes == ("node joined: host-c (10.0.0.3, pid 102)",)
+    assert set(action.state.expected) == {"a", "b", "c"}
+
+
+def test_a_late_node_waits_while_the_round_is_full_and_times_out():
+    state = R.join(running(max_nodes=3), "d", INFO["d"])
+    assert act(state, "a", running=0).kind == "keep"
+    assert act(state, "d", now=10.0, waiting_since=0.0).kind == "wait"
+    action = act(state, "d", now=700.0, waiting_since=0.0)
+    assert action.kind == "finish" and action.status == 1 and "the most nodes allowed (3)" in action.text
+
+
+def test_a_lost_node_restarts_the_running_round():
+    state = running()
+    action = act(state, "b", running=0, silent={"a": 10.5, "c": 1.0})
+    assert action.kind == "write" and action.state.round == 1
+    assert action.state.expected == ("b", "c") and "a" in action.state.gone
+
+
+def test_silence_below_the_bound_is_not_a_loss():
+    assert act(running(), "b", running=0, silent={"a": 9.9}).kind == "keep"
+
+
+def test_a_dropped_node_that_is_alive_after_all_rejoins_as_a_new_node():
+    state = R.drop(running(), "a", "node lost: no heartbeat for 11 s")
+    action = act(state, "a", running=0)
+    assert action.kind == "rejoin" and "no heartbeat for 11 s" in action.text
+
+
+def test_a_node_that_leaves_during_a_restart_does_not_close_the_rendezvous():
+    """torch #123678: a node's shutdown during a restart closed the rendezvous for everyone.
+    Here it only takes that node out; the others close the round without it."""
+    state = R.restart(running(), 0, ("worker failed",))
+    state = joined(state, "a", "b")
+    state = R.drop(state, "c", "node left: host-c received SIGTERM")
+    action = act(state, "a")
+    assert action.kind == "write" and action.state.phase == R.RUNNING and action.state.ranks == ("a", "b")
+
+
+# -- the end ----------------------------------------------------------------------------------------------
+
+
+def test_the_job_succeeds_when_every_node_of_the_round_finished():
+    state = running(nodes="ab")
+    state = R.finish_node(state, "a", 0)
+    assert state.phase == R.RUNNING and act(state, "a", running=0).kind == "finish"
+    state = R.finish_node(state, "b", 0)
+    assert state.phase == R.SUCCEEDED
+    assert act(state, "b").kind == "finish" and act(state, "b").status == 0
+
+
+def test_a_failure_after_a_node_finished_fails_the_job():
+    state = R.finish_node(running(nodes="ab"), "a", 0)
+    state = R.restart(state, 0, ("worker failed: rank 2",))
+    assert state.phase == R.FAILED and "after node(s) host-a" in state.outcome
+
+
+def test_a_failed_job_finishes_every_node_with_its_outcome():
+    state = R.fail(running(), "why")
+    action = act(state, "c", running=0)
+    assert action.kind == "finish" and action.status == 1 and action.text == "why"
+
+
+def test_a_node_waiting_when_the_job_ends_exits_cleanly():
+    state = R.join(running(nodes="ab", max_nodes=2), "c", INFO["c"])
+    state = R.finish_node(R.finish_node(state, "a", 0), "b", 0)
+    action = act(state, "c")
+    assert action.kind == "finish" and action.status == 0 and "before this node was admitted" in action.text
+
+
+# -- the stored form ------------------------------------------------------------------------------------
+
+
+def test_json_round_trip():
+    state = R.restart(R.join(running(), "d", INFO["d"]), 0, ("x",))
+    assert R.JobState.from_json(state.to_json()) == state
+
+
+@pytest.mark.parametrize("raw", [b"", b"{}", b"not json", b'{"format": 99}'])
+def test_bad_bytes_are_a_value_error(raw):
+    with pytest.raises(ValueError, match="not an elastic job state|format"):
+        R.JobState.from_json(raw)
+
+
+def test_a_node_with_other_limits_is_told_which():
+    text = R.config_mismatch(R.initial(2, 3, 1), 2, 4, 1)
+    assert "--nnodes 2:4 --max-restarts 1, but the job runs with --nnodes 2:3 --max-restarts 1" in text
+    assert R.config_mismatch(R.initial(2, 3, 1), 2, 3, 1) is None
+
+
+def test_the_restart_line_names_round_cause_and_world():
+    state = R.close(joined(R.drop(running(), "a", "node lost: host-a"), "b", "c"))
+    line = R.round_line(state, "c")
+    assert line.startswith("round 1 (restart 1 of at most 3): node lost: host-a; now 2 node(s), world size 4")
+
+
+def test_a_round_closed_without_an_expected_node_says_so():
+    state = joined(R.restart(running(), 0, ("worker failed",)), "a", "b")
+    state = R.close(state)
+    assert state.causes[0] == "node did not come back: host-c (10.0.0.3, pid 102) (not in round 1 by its last call)"
+    assert state.history[-1].causes == state.causes
