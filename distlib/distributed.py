@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Dict, List, Optional
 
 from .backends import cupy_env
-from .backends.base import CommBackend
+from .backends.base import BackendBase
 from .backends.nccl_devices import parse_device_id
 from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
@@ -94,7 +94,7 @@ def _config_for(backend: Optional[str]) -> Dict[str, str]:
 
 
 def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, label: str,
-                    group_name: str, global_ranks: List[int], pg_options, device_id=None) -> CommBackend:
+                    group_name: str, global_ranks: List[int], pg_options, device_id=None) -> BackendBase:
     if name == Backend.GLOO:
         from .backends.gloo import GlooBackend
 
@@ -117,9 +117,9 @@ def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, 
             backend = plugin.creator_fn(options, pg_options)
         else:
             backend = plugin.creator_fn(_needs_store(store, name), rank, size, timeout)
-        if not isinstance(backend, CommBackend):
+        if not isinstance(backend, BackendBase):
             raise TypeError(f"the creator of backend {name!r} returned {type(backend).__name__}, "
-                            f"not a distlib.CommBackend")
+                            f"not a distlib.CommBackend (or distlib.StreamOrderedBackend)")
         return backend
     if name in (Backend.UCC, Backend.XCCL):
         raise RuntimeError(
@@ -149,9 +149,9 @@ def _new_process_group(name: str, global_ranks: List[int], group_rank: int, stor
     """Create the backends of one group (the group's store is ``store/<name>/``)."""
     group_store = _prefixed(name + "/", store)
     size = len(global_ranks)
-    backends: Dict[str, CommBackend] = {}
+    backends: Dict[str, BackendBase] = {}
     names = set(config.values())
-    created: List[CommBackend] = []
+    created: List[BackendBase] = []
     try:
         if len(names) == 1:
             device, backend_name = next(iter(config.items()))

@@ -12,7 +12,7 @@ import threading
 from datetime import timedelta
 from typing import Dict, List, Optional
 
-from .backends.base import CommBackend
+from .backends.base import BackendBase
 from .errors import DistBackendError
 from .work import OrderedExecutor
 
@@ -24,7 +24,7 @@ class ProcessGroup:
     bound_device_id: Optional[int] = None
 
     def __init__(self, name: str, global_ranks: List[int], group_rank: int, store, backend_name: str,
-                 backends: Dict[str, CommBackend], timeout: timedelta):
+                 backends: Dict[str, BackendBase], timeout: timedelta):
         self.group_name = name
         self._ranks = list(global_ranks)
         self._rank = group_rank
@@ -63,7 +63,7 @@ class ProcessGroup:
                              f"of size {len(self._ranks)}")
         return self._ranks[group_rank]
 
-    def backend_for(self, device: str) -> CommBackend:
+    def backend_for(self, device: str) -> BackendBase:
         backend = self.backends.get(device)
         if backend is None:
             have = ", ".join(f"{d}:{b.name}" for d, b in self.backends.items()) or "none"

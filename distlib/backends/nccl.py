@@ -40,7 +40,7 @@ from ..reduce_op import ReduceOp
 from ..work import Work
 from . import cupy_env
 from . import nccl_plan as P
-from .base import CommBackend, RecvHandle
+from .base import RecvHandle, StreamOrderedBackend
 from .join import local_facts, publish_and_gather
 from .nccl_devices import check_same_device, choose_device, parse_device_id, shared_gpus_hint
 from .nccl_types import UINT8, Wire, reduction, unique_id_bytes, unique_id_for, wire
@@ -145,9 +145,8 @@ class _DeviceArrays:
         return host
 
 
-class NcclBackend(CommBackend):
+class NcclBackend(StreamOrderedBackend):
     name = "nccl"
-    stream_ordered = True
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, label: str = "nccl", device_id=None):
         super().__init__(store, rank, size, timeout)
