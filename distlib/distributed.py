@@ -269,11 +269,24 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
 
 
 def destroy_process_group(group=None) -> None:
-    """Release a group's sockets, threads and shared memory; with no group, everything.
+    """Release a group's sockets, threads, shared memory and communicators; with no group,
+    every group.
 
-    Works after a failed collective too (torch leaves that unsupported), so a process can
-    init again.
+    As torch >= 2.6, operations already issued keep their results: a GPU group waits for its
+    enqueued operations (within its timeout) before it destroys its communicator, and aborts
+    only when the group has already failed or the wait runs out. Works after a failed
+    collective too (torch leaves that unsupported), so a process can init again.
     """
+    _teardown(group, ProcessGroup.shutdown)
+
+
+def _abort_process_group(group=None) -> None:
+    """Abort a group now, dropping what is pending (torch's ``_abort_process_group``); with no
+    group (or WORLD), every group. The group is gone afterwards, as after destroy."""
+    _teardown(group, ProcessGroup.abort)
+
+
+def _teardown(group, how) -> None:
     with world.lock:
         if group is NON_GROUP_MEMBER:
             return
@@ -281,14 +294,14 @@ def destroy_process_group(group=None) -> None:
             if world.default_pg is None:
                 raise ValueError("Invalid process group specified")
             for name in sorted(world.groups, key=lambda n: (len(n), n), reverse=True):
-                world.groups[name].shutdown()
+                how(world.groups[name])
             if getattr(world, "owns_store", False) and world.default_store is not None:
                 _close_store(world.default_store)
             world.reset()
             return
         if not isinstance(group, ProcessGroup) or world.groups.get(group.group_name) is not group:
             raise ValueError("Invalid process group specified")
-        group.shutdown()
+        how(group)
         del world.groups[group.group_name]
 
 

@@ -72,16 +72,31 @@ class ProcessGroup:
                 f"init it with backend='cpu:gloo,cuda:nccl' to use both")
         return backend
 
-    def shutdown(self) -> None:
-        if self.destroyed:
-            return
-        self.destroyed = True
-        self.executor.close(DistBackendError(f"process group {self.group_name} was destroyed"))
+    def _each_backend(self):
         seen = set()
         for backend in self.backends.values():
             if id(backend) not in seen:
                 seen.add(id(backend))
-                backend.shutdown()
+                yield backend
+
+    def shutdown(self) -> None:
+        """destroy_process_group: each backend releases what it holds, after the operations
+        already issued to it have finished (within the group timeout)."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self.executor.close(DistBackendError(f"process group {self.group_name} was destroyed"))
+        for backend in self._each_backend():
+            backend.shutdown()
+
+    def abort(self, reason: Optional[str] = None) -> None:
+        """_abort_process_group: each backend drops what is pending now (torch's Backend.abort())."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self.executor.close(DistBackendError(f"process group {self.group_name} was aborted"))
+        for backend in self._each_backend():
+            backend.abort(reason)
 
     def __repr__(self) -> str:
         return f"ProcessGroup(name={self.group_name!r}, backend={self.backend_name!r}, ranks={self._ranks})"
