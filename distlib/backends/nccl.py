@@ -81,7 +81,7 @@ class NcclBackend(StreamOrderedBackend):
         self.stream = None
         self._ready = None
         self._events: List[Any] = []
-        self._plans: Dict[Tuple, P.Plan] = {}
+        self._plans: Dict[Tuple, Tuple[P.Plan, Any]] = {}
         self.seq = 0
         self.p2p_seq = 0
         self.hosts: Dict[int, str] = {}
@@ -244,24 +244,27 @@ class NcclBackend(StreamOrderedBackend):
             cuda.get_current_stream().wait_event(event)
 
     def _launch(self, op_name: str, plan: P.Plan, arrays: Sequence, collective: bool = True,
-                blocking: bool = False, result: Optional[Sequence] = None, device: Optional[int] = None) -> NcclWork:
+                blocking: bool = False, result: Optional[Sequence] = None, device: Optional[int] = None,
+                view=None) -> NcclWork:
         with self._lock:
             if self._closed is not None:
                 raise DistBackendError(f"{self.label}: the process group was {self._closed}")
             if self._failing.is_set():
                 self.raise_if_failed()
             device = self._device_for(arrays, device)
+            if view is None:
+                view = self._view_dtype(plan.wire, arrays)
             if self._runtime.getDevice() == device:
-                return self._enqueue(op_name, plan, arrays, collective, blocking, result)
+                return self._enqueue(op_name, plan, view, arrays, collective, blocking, result)
             with self.cupy.cuda.Device(device):
-                return self._enqueue(op_name, plan, arrays, collective, blocking, result)
+                return self._enqueue(op_name, plan, view, arrays, collective, blocking, result)
 
-    def _enqueue(self, op_name: str, plan: P.Plan, arrays: Sequence, collective: bool, blocking: bool,
+    def _enqueue(self, op_name: str, plan: P.Plan, view, arrays: Sequence, collective: bool, blocking: bool,
                  result: Optional[Sequence]) -> NcclWork:
-        """The operation after the caller's stream, on the backend's stream, and its Work."""
+        """The operation after the caller's stream, on the backend's stream, and its Work;
+        ``view``: the dtype NCCL's counts are in (the plan's wire, as the array library has it)."""
         cupy, stream = self.cupy, self.stream
         stream.wait_event(cupy.cuda.get_current_stream().record(self._ready))  # ready: reusable at once
-        view = self._view_dtype(plan.wire, arrays)
         temps = ()
         if plan.temps:
             with stream:
@@ -359,25 +362,27 @@ class NcclBackend(StreamOrderedBackend):
 
     # -- collectives -----------------------------------------------------------------------------
 
-    def _cached(self, key: Tuple, build) -> P.Plan:
-        """A plan for ``key`` (plans are never changed once built): the small collectives of a
-        training step repeat, and building one costs as much as enqueueing it."""
-        plan = self._plans.get(key)
-        if plan is None:
+    def _cached(self, key: Tuple, build, arrays: Sequence) -> Tuple[P.Plan, Any]:
+        """(plan, view dtype) for ``key`` (a plan is never changed once built): the small
+        collectives of a training step repeat, and building one costs as much as enqueueing it."""
+        found = self._plans.get(key)
+        if found is None:
             plan = build()
+            found = (plan, self._view_dtype(plan.wire, arrays))
             if len(self._plans) < 4096:
-                self._plans[key] = plan
-        return plan
+                self._plans[key] = found
+        return found
 
     def broadcast(self, array, root: int) -> NcclWork:
-        plan = self._cached(("broadcast", array.dtype, array.size, root),
-                            lambda: P.broadcast(wire(array.dtype), array.size, root))
-        return self._launch("broadcast", plan, [array])
+        plan, view = self._cached(("broadcast", array.dtype, array.size, root),
+                                  lambda: P.broadcast(wire(array.dtype), array.size, root), (array,))
+        return self._launch("broadcast", plan, [array], view=view)
 
     def all_reduce(self, array, op: ReduceOp) -> NcclWork:
-        plan = self._cached(("all_reduce", array.dtype, array.size, op.op, op.factor),
-                            lambda: P.all_reduce(reduction(array.dtype, op, self.version), array.size, self.size))
-        return self._launch("all_reduce", plan, [array])
+        plan, view = self._cached(("all_reduce", array.dtype, array.size, op.op, op.factor),
+                                  lambda: P.all_reduce(reduction(array.dtype, op, self.version), array.size,
+                                                       self.size), (array,))
+        return self._launch("all_reduce", plan, [array], view=view)
 
     def reduce(self, array, root: int, op: ReduceOp) -> NcclWork:
         plan = P.reduce(reduction(array.dtype, op, self.version), array.size, root, self.rank, self.size)
