@@ -119,3 +119,11 @@ def abort_discards(rank, ws, where):
     except dist.DistBackendError as exc:
         waited = str(exc)
     return x.get().tolist(), took, waited, dist.is_initialized(), list(fake.violations)
+
+
+def refusals(rank, ws, where):
+    """gpu_cases.refusals on the fake: the texts users read, and nothing enqueued."""
+    from . import gpu_cases
+
+    dist, fake = _init(rank, ws, where, "file", 0, 30)
+    return gpu_cases.refusals_on(dist, fake.cupy, ws) + (list(fake.violations),)

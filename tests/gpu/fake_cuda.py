@@ -296,6 +296,10 @@ def zeros(shape, dtype=np.float32) -> ndarray:
     return _new(np.zeros(shape, dtype=dtype))
 
 
+def ones(shape, dtype=np.float32) -> ndarray:
+    return _new(np.ones(shape, dtype=dtype))
+
+
 def asarray(host, dtype=None) -> ndarray:
     return _new(np.array(host, dtype=dtype, copy=True))
 
@@ -313,7 +317,7 @@ runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1, m
 cuda = types.SimpleNamespace(Device=Device, Event=Event, Stream=Stream, get_current_stream=get_current_stream,
                              runtime=runtime)
 cupy = types.SimpleNamespace(__name__="cupy", __version__="14.2.0+fake", cuda=cuda, ndarray=ndarray, empty=empty,
-                             zeros=zeros, asarray=asarray)
+                             zeros=zeros, ones=ones, asarray=asarray)
 from . import fake_nccl as nccl  # noqa: E402 - the communicator needs the device above
 
 nccl.bind(sys.modules[__name__])

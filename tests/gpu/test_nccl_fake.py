@@ -89,6 +89,17 @@ def test_a_silent_rank_is_named_and_nobody_crashes_or_hangs(ws, store, device_id
         assert took < 5, f"rank {rank}: destroy after the failure took {took:.1f}s"
 
 
+@pytest.mark.parametrize("ws", [1, 2])
+def test_refusals_come_before_anything_is_enqueued(ws, tmp_path):
+    """The GPU test's refusals and their texts (gpu_cases.refusal_problems), on the fake."""
+    from . import gpu_cases
+
+    where = str(tmp_path)
+    for rank, (seen, still, violations) in enumerate(answers(spawn(fake_cases.refusals, ws, where, timeout=120),
+                                                             where)):
+        assert gpu_cases.refusal_problems(seen, still, ws) == [] and violations == [], f"rank {rank}"
+
+
 def test_abort_process_group_discards_what_is_pending(tmp_path):
     where = str(tmp_path)
     for rank, (value, took, waited, initialized, violations) in enumerate(

@@ -31,19 +31,8 @@ def test_every_collective_op_and_dtype(ws, tmp_path):
 
 @pytest.mark.parametrize("ws", [1, 2])
 def test_refusals_come_before_anything_is_enqueued(ws, tmp_path):
-    for seen, still in ok(spawn(gpu_cases.refusals, ws, str(tmp_path / "s"), timeout=300)):
-        texts = [text for _, text, _ in seen]
-        assert all(untouched for _, _, untouched in seen), seen
-        assert texts[0].startswith("Cannot use ReduceOp.BAND with NCCL: NCCL has no bitwise reductions"), texts
-        assert "Input tensor data type is not supported for NCCL process group: int16" in texts[1]
-        assert "Input tensor data type is not supported for NCCL process group: uint16" in texts[2]
-        assert texts[3].startswith("Cannot use ReduceOp.PRODUCT on complex64 with NCCL"), texts
-        assert "is not contiguous" in texts[4] and "cupy.ascontiguousarray" in texts[4]
-        assert "all numpy arrays or all cupy arrays" in texts[5]
-        if ws > 1:
-            assert "cannot receive from any source (src=None)" in texts[6]
-        assert "ReduceOp.AVG needs a floating-point array" in texts[-1]
-        assert still == ws
+    for rank, (seen, still) in enumerate(ok(spawn(gpu_cases.refusals, ws, str(tmp_path / "s"), timeout=300))):
+        assert gpu_cases.refusal_problems(seen, still, ws) == [], f"rank {rank}"
 
 
 @pytest.mark.parametrize("ws", [1, 2])
