@@ -177,3 +177,42 @@ def test_a_future_and_a_barrier_see_the_device_finish(one_rank):
     assert future.wait() == [x] and work.is_success()
     dist.barrier()  # blocks the host until the device has run it
     assert backend.watchdog.outstanding() in (0, 1) and fake.violations == []
+
+
+class _FakeDevice:
+    """collectives_cuda._Device's part that per_call_round uses, on the fake: a held stream is a
+    held device, released after ``seconds``."""
+
+    def __init__(self, fake):
+        self.fake = fake
+
+    def upload_new(self, host):
+        return self.fake.cupy.asarray(host)
+
+    def download(self, dev, host):
+        dev.get(out=host)
+
+    def synchronize(self):
+        self.fake.Device(0).synchronize()
+
+    def spin(self, seconds):
+        import threading
+
+        release = self.fake.hold()
+        threading.Timer(seconds, release.set).start()
+        return release
+
+    def finished(self, event):
+        return event.is_set()
+
+
+@pytest.mark.parametrize("calls,in_flight", [(300, False), (10, True), (2000, True)])
+def test_the_benchs_per_call_round_on_the_fake(one_rank, calls, in_flight):
+    """distlib bench collectives --device cuda's per-call rows, run on the fake device: every
+    call was still in flight when the next was issued, and the result is checked."""
+    from distlib.tools.bench import collectives_cuda
+
+    dist, fake, backend = one_rank
+    reply = collectives_cuda.per_call_round(dist, _FakeDevice(fake), 0, 1, calls, in_flight)
+    assert reply["wrong"] is None and reply["per_call_s"] > 0
+    assert reply["held"] is (True if in_flight else None), reply
