@@ -27,6 +27,9 @@ def one_gpu_env(rank: int) -> dict:
 
 
 def _init(rank, ws, path, backend="nccl", timeout_s=60, device_id=0):
+    import faulthandler
+
+    faulthandler.enable()  # a native crash prints every thread's Python stack
     if ws > 1:
         os.environ.update(one_gpu_env(rank))
     import cupy
@@ -481,33 +484,6 @@ def killed_mid_all_reduce(rank, ws, path, victim):
     elapsed = time.monotonic() - started
     dist.destroy_process_group()
     return text, elapsed
-
-
-def silent_rank(rank, ws, path, laggard):
-    """The laggard never reaches collective #3; the others time out naming it."""
-    dist, cp = _init(rank, ws, path, timeout_s=10)
-    x = cp.asarray(np.ones(4, np.float32))
-    dist.all_reduce(x)  # 1
-    dist.all_reduce(x)  # 2
-    if rank == laggard:
-        time.sleep(25)
-        dist.destroy_process_group()
-        return "slept", 0.0
-    started = time.monotonic()
-    try:
-        dist.all_reduce(x)  # 3: enqueued, never finishes
-        dist.barrier()
-        text = "no error"
-    except dist.DistBackendError as exc:
-        text = str(exc)
-    elapsed = time.monotonic() - started
-    try:
-        dist.all_reduce(x)
-        again = "no error"
-    except dist.DistBackendError as exc:
-        again = str(exc)
-    dist.destroy_process_group()
-    return text, elapsed, again == text
 
 
 def lazy_and_bound(rank, ws, path):

@@ -41,7 +41,7 @@ def test_destroy_keeps_the_result_of_an_enqueued_all_reduce(device_id, subgroup,
     where = str(tmp_path)
     for rank, (value, took, violations) in enumerate(answers(
             spawn(fake_cases.destroy_after_all_reduce, 2, where, device_id, subgroup, timeout=120), where)):
-        assert value == [3.0] * 4, f"rank {rank} read {value} after destroy, not the all_reduce's 3.0"
+        assert value == [3.0], f"rank {rank} read {value} after destroy, not the all_reduce's 3.0"
         assert took < 20, f"rank {rank}: destroy took {took:.1f}s"
         assert violations == [], violations
 
@@ -69,24 +69,7 @@ def test_a_silent_rank_is_named_and_nobody_crashes_or_hangs(ws, store, device_id
         assert results[laggard][0] == 3, f"the exiting rank's status: {results[laggard]}"
         results = [r for i, r in enumerate(results) if i != laggard]
     values = answers(results, where)
-    ranks = [r for r in range(ws) if not (how == "exit" and r == laggard)]
-    for rank, (text, elapsed, same_again, took, violations) in zip(ranks, values):
-        assert violations == [], f"rank {rank}: {violations}"
-        if rank == laggard:
-            assert took < 10, f"the silent rank's destroy took {took:.1f}s"
-            continue
-        # its own watchdog's timeout, or the abort of another survivor that timed out first
-        timed_out = "(collective #3 in this group) timed out after" in text
-        assert timed_out or "(collective #3 in this group) failed: NCCL reported" in text, f"rank {rank}: {text}"
-        assert f"Ranks that had not reached #3: rank {laggard} on " in text, f"rank {rank}: {text}"
-        if how == "exit":  # gone within a heart-beat of #2: its record may be older than that
-            assert f"rank {laggard} on " in text.split("No heart-beat")[1], text
-        else:
-            assert "last issued #2" in text, text
-        assert (timeout_s if timed_out else 0) <= elapsed < timeout_s + 10, \
-            f"rank {rank}: the error came after {elapsed:.1f}s"
-        assert same_again, f"rank {rank}: the next call must raise the same error"
-        assert took < 5, f"rank {rank}: destroy after the failure took {took:.1f}s"
+    assert fake_cases.silent_rank_problems(values, ws, laggard, how, timeout_s) == []
 
 
 @pytest.mark.parametrize("ws", [1, 2])
