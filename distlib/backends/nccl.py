@@ -144,10 +144,11 @@ class NcclBackend(StreamOrderedBackend):
             store = self.store.clone()
         except Exception:  # noqa: BLE001 - a store that cannot be cloned is shared instead
             return self.store
-        try:
-            store.set_timeout(timedelta(seconds=min(self.timeout_s, 2 * SILENCE_CHECK_S)))
-        except Exception:  # noqa: BLE001 - a store without timeouts keeps its own
-            pass
+        if _innermost(store) is not _innermost(self.store):  # a HashStore's clone is itself: shared
+            try:
+                store.set_timeout(timedelta(seconds=min(self.timeout_s, 2 * SILENCE_CHECK_S)))
+            except Exception:  # noqa: BLE001 - a store without timeouts keeps its own
+                pass
         return store
 
     def default_device(self) -> int:
@@ -509,7 +510,7 @@ class NcclBackend(StreamOrderedBackend):
             self.heartbeat.close()
 
     def _release(self) -> None:
-        if self._watch_store is not None and self._watch_store is not self.store:
+        if self._watch_store is not None and _innermost(self._watch_store) is not _innermost(self.store):
             _close(self._watch_store)
         self._watch_store = None
         self._events.clear()
@@ -522,10 +523,15 @@ def _describe(op_name: str, arrays: Sequence) -> str:
     return f"{op_name} of {first.size} x {first.dtype}"
 
 
-def _close(store) -> None:
-    """Close the innermost store of a clone (a TCP connection of its own)."""
+def _innermost(store):
     while hasattr(store, "underlying_store"):
         store = store.underlying_store
+    return store
+
+
+def _close(store) -> None:
+    """Close the innermost store of a clone (a TCP connection of its own)."""
+    store = _innermost(store)
     close = getattr(store, "close", None)
     if callable(close):
         close()
