@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 
-.PHONY: help venv host-tools test test-unit test-interop demo image image-gpu cluster-up cluster-down cluster-logs cluster-kill \
+.PHONY: help venv host-tools test test-unit test-interop test-gpu demo image image-gpu cluster-up cluster-down cluster-logs cluster-kill \
         helm-lint helm-test bench-store bench-collectives clean
 
 help:
@@ -20,6 +20,7 @@ help:
 	@echo "make cluster-kill NODE=2   kill worker-2 of the running cluster (SIGKILL): a lost node"
 	@echo "make test          create .venv, install distlib with its test extras (and shellcheck when missing), run the whole suite"
 	@echo "make test-interop  install torch 2.13 once into $(INTEROP_VENV) and run the torch interoperability tests"
+	@echo "make test-gpu      on a GPU machine (cupy, NCCL, pytest; torch to compare): the GPU tests and benchmark, <= 5 min"
 	@echo "make demo          a TCP master service and 4 local processes, no Docker needed"
 	@echo "make image         build the $(IMAGE) image (offline: a debootstrap base when no base image can be had)"
 	@echo "make image-gpu     build the $(CUDA_IMAGE) image: cupy, NVRTC and NCCL from wheels (the driver comes from the host)"
@@ -71,6 +72,14 @@ $(INTEROP_MARKER):
 
 test-interop: $(INTEROP_MARKER)
 	PYTHONPATH=$(CURDIR) $(INTEROP_VENV)/bin/python -m pytest -m interop -p no:cacheprovider $(PYTEST_ARGS)
+
+# The GPU tests and the GPU benchmark in one go, on a machine with a GPU whose python3 has numpy,
+# cupy (with NCCL), pytest and, for the comparison, torch: a plain copy of the tree, no venv, no
+# pip, no Docker; at most 5 minutes; a summary at the end (tests/gpu/run_gpu_suite.py). Without a
+# usable GPU it says why in one line and runs nothing. GPU_PYTHON picks the interpreter.
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m tests.gpu.run_gpu_suite $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) -m distlib.cli demo

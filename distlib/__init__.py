@@ -25,6 +25,7 @@ _LAZY = {
     "default_pg_nccl_timeout": "distributed",
     "GroupMember": "group", "ProcessGroup": "group",
     "Backend": "backends.registry", "CommBackend": "backends.base", "RecvHandle": "backends.base",
+    "StreamOrderedBackend": "backends.base", "BackendKind": "backends.base",
     "ReduceOp": "reduce_op", "_make_nccl_premul_sum": "reduce_op",
     "Work": "work", "Future": "work",
     # collectives

@@ -4,8 +4,10 @@ Each function checks its arguments before anything is sent (contiguity, dtype, l
 ranks in range, sizes that must agree on this rank, reduce op vs dtype), maps global ranks to
 group ranks, and runs the backend's operation in the group's order. ``async_op=True`` returns
 a ``Work``. The array's device picks the backend (a "cpu:gloo,cuda:nccl" group sends numpy
-arrays to gloo and cupy arrays to nccl); a stream-ordered backend (nccl) enqueues at once, in
-the caller's thread, and a synchronous call leaves the caller's stream waiting for it. In
+arrays to gloo and cupy arrays to nccl). Each call goes by its backend's declared kind
+(backends/base.py): a host-synchronous backend runs in the group's order; a stream-ordered
+one (nccl) enqueues at once, in the caller's thread, and a synchronous call leaves the
+caller's stream waiting for it. In
 place where torch works in place. A rank outside ``group`` gets a warning and None, as in
 torch. What cannot be checked locally (another rank passing a different shape,
 dtype or collective) is detected from the frames and raised on every rank.
@@ -19,7 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from .arrays import check_array, check_array_list, check_one_device, same_dtype
-from .backends.base import CommBackend, RecvHandle
+from .backends.base import STREAM_ORDERED, BackendBase, RecvHandle
 from .distributed import _resolve, warn_not_in_group
 from .errors import DistBackendError
 from .group import ProcessGroup
@@ -27,13 +29,15 @@ from .reduce_op import ReduceOp, as_reduce_op, check_op_for_dtype
 from .work import Future, Work
 
 
-def _run(pg: ProcessGroup, op_name: str, async_op: bool, result: Optional[List[Any]],
+def _run(pg: ProcessGroup, backend: BackendBase, op_name: str, async_op: bool, result: Optional[List[Any]],
          fn: Callable[..., Any], *args: Any) -> Optional[Work]:
-    """``fn(*args)`` (a backend's bound method) in the group's order: inline for a sync call
-    (no Work, no closure), a queued Work for an async one. A stream-ordered backend (nccl)
-    enqueues on its device stream and returns the operation's Work at once: a sync call then
-    makes the caller's stream wait, not the host (torch's semantics)."""
-    if fn.__self__.stream_ordered:
+    """``fn(*args)`` (one of ``backend``'s methods), by the backend's declared kind.
+
+    Host-synchronous: in the group's order, inline for a sync call (no Work, no closure), a
+    queued Work for an async one. Stream-ordered: ``fn`` enqueues on the device stream and
+    returns the operation's Work at once; a sync call then makes the caller's stream wait,
+    not the host (torch's semantics)."""
+    if backend.kind is STREAM_ORDERED:
         work = fn(*args)
         if async_op:
             return work
@@ -63,7 +67,7 @@ def _peer(pg: ProcessGroup, rank: Optional[int], group_rank: Optional[int], what
     return pg.group_rank_of(int(rank))
 
 
-def _backend(pg: ProcessGroup, array, *others) -> CommBackend:
+def _backend(pg: ProcessGroup, array, *others) -> BackendBase:
     """The backend for the device of the operation's arrays (all on one kind), wrapped to stage
     device arrays through host memory where it does (gloo and mpi with cupy arrays)."""
     if type(array) is np.ndarray and not others:  # the common case: no device lookup, no staging
@@ -96,7 +100,7 @@ def broadcast(tensor, src: Optional[int] = None, group=None, async_op: bool = Fa
     root = _peer(pg, src, group_src, "src")
     array = check_array(tensor, "tensor", writable=pg.rank() != root)
     backend = _backend(pg, array)
-    return _run(pg, "broadcast", async_op, [array], backend.broadcast, array, root)
+    return _run(pg, backend, "broadcast", async_op, [array], backend.broadcast, array, root)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
@@ -107,7 +111,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     op = as_reduce_op(op)
     _check_op(op, array.dtype, "tensor")
     backend = _backend(pg, array)
-    return _run(pg, "all_reduce", async_op, [array], backend.all_reduce, array, op)
+    return _run(pg, backend, "all_reduce", async_op, [array], backend.all_reduce, array, op)
 
 
 def reduce(tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -120,7 +124,7 @@ def reduce(tensor, dst: Optional[int] = None, op=ReduceOp.SUM, group=None, async
     op = as_reduce_op(op)
     _check_op(op, array.dtype, "tensor")
     backend = _backend(pg, array)
-    return _run(pg, "reduce", async_op, [array], backend.reduce, array, root, op)
+    return _run(pg, backend, "reduce", async_op, [array], backend.reduce, array, root, op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
@@ -135,7 +139,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
             raise ValueError(f"tensor_list[{i}] has {out.size} elements but tensor has {array.size}: "
                              f"each output must be the size of the input")
     backend = _backend(pg, array, outputs)
-    return _run(pg, "all_gather", async_op, list(outputs), backend.all_gather, outputs, array)
+    return _run(pg, backend, "all_gather", async_op, list(outputs), backend.all_gather, outputs, array)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False):
@@ -150,7 +154,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
         raise ValueError(f"output_tensor has {output.size} elements; it must have world_size x input "
                          f"= {pg.size()} x {array.size} = {pg.size() * array.size}")
     backend = _backend(pg, array, output)
-    return _run(pg, "all_gather_into_tensor", async_op, [output], backend.all_gather_into, output, array)
+    return _run(pg, backend, "all_gather_into_tensor", async_op, [output], backend.all_gather_into, output,
+                array)
 
 
 def gather(tensor, gather_list=None, dst: Optional[int] = None, group=None, async_op: bool = False,
@@ -174,7 +179,8 @@ def gather(tensor, gather_list=None, dst: Optional[int] = None, group=None, asyn
             raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
         outputs = None
     backend = _backend(pg, array, outputs)
-    return _run(pg, "gather", async_op, list(outputs) if outputs else [], backend.gather, outputs, array, root)
+    return _run(pg, backend, "gather", async_op, list(outputs) if outputs else [], backend.gather, outputs, array,
+                root)
 
 
 def scatter(tensor, scatter_list=None, src: Optional[int] = None, group=None, async_op: bool = False,
@@ -198,7 +204,7 @@ def scatter(tensor, scatter_list=None, src: Optional[int] = None, group=None, as
             raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
         inputs = None
     backend = _backend(pg, output, inputs)
-    return _run(pg, "scatter", async_op, [output], backend.scatter, output, inputs, root)
+    return _run(pg, backend, "scatter", async_op, [output], backend.scatter, output, inputs, root)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False):
@@ -214,7 +220,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
     op = as_reduce_op(op)
     _check_op(op, out.dtype, "output")
     backend = _backend(pg, out, inputs)
-    return _run(pg, "reduce_scatter", async_op, [out], backend.reduce_scatter, out, inputs, op)
+    return _run(pg, backend, "reduce_scatter", async_op, [out], backend.reduce_scatter, out, inputs, op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False):  # noqa: A002
@@ -231,7 +237,8 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
     op = as_reduce_op(op)
     _check_op(op, out.dtype, "output")
     backend = _backend(pg, out, array)
-    return _run(pg, "reduce_scatter_tensor", async_op, [out], backend.reduce_scatter_into, out, array, op)
+    return _run(pg, backend, "reduce_scatter_tensor", async_op, [out], backend.reduce_scatter_into, out, array,
+                op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
@@ -247,7 +254,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         raise ValueError(f"output_tensor_list[{me}] ({outputs[me].size} elements) must match "
                          f"input_tensor_list[{me}] ({inputs[me].size}): this rank sends that one to itself")
     backend = _backend(pg, inputs[0], inputs, outputs)
-    return _run(pg, "all_to_all", async_op, list(outputs), backend.all_to_all, outputs, inputs)
+    return _run(pg, backend, "all_to_all", async_op, list(outputs), backend.all_to_all, outputs, inputs)
 
 
 def _splits(splits: Optional[Sequence[int]], rows: int, size: int, name: str) -> List[int]:
@@ -284,8 +291,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         raise ValueError(f"output_split_sizes[{me}]={out_splits[me]} must equal input_split_sizes[{me}]="
                          f"{in_splits[me]}: this rank sends that block to itself")
     backend = _backend(pg, array, out)
-    return _run(pg, "all_to_all_single", async_op, [out], backend.all_to_all_single, out, array, out_splits,
-                in_splits)
+    return _run(pg, backend, "all_to_all_single", async_op, [out], backend.all_to_all_single, out, array,
+                out_splits, in_splits)
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None):
@@ -293,9 +300,9 @@ def barrier(group=None, async_op: bool = False, device_ids=None):
     if pg is None:
         return warn_not_in_group("barrier")
     backend = pg.backend_for("cpu") if "cpu" in pg.backends else next(iter(pg.backends.values()))
-    if backend.stream_ordered:  # nccl: an all_reduce on device_ids[0], else on the group's device
-        return _run(pg, "barrier", async_op, None, backend.barrier, device_ids)
-    return _run(pg, "barrier", async_op, None, backend.barrier)
+    if backend.kind is STREAM_ORDERED:  # nccl: an all_reduce on device_ids[0], else on the group's device
+        return _run(pg, backend, "barrier", async_op, None, backend.barrier, device_ids)
+    return _run(pg, backend, "barrier", async_op, None, backend.barrier)
 
 
 def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_ranks: bool = False):
@@ -305,7 +312,7 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
         return warn_not_in_group("monitored_barrier")
     timeout = timeout if timeout is not None else pg.timeout
     backend = pg.backend_for("cpu")
-    return _run(pg, "monitored_barrier", False, None, backend.monitored_barrier, timeout, wait_all_ranks)
+    return _run(pg, backend, "monitored_barrier", False, None, backend.monitored_barrier, timeout, wait_all_ranks)
 
 
 # -- point to point -------------------------------------------------------------------------------
@@ -333,10 +340,12 @@ def isend(tensor, dst: Optional[int] = None, group=None, tag: int = 0, group_dst
         raise ValueError("Invalid destination rank: can't send to self")
     array, tag = _p2p_args(tensor, tag, writable=False)
     backend = _backend(pg, array)
+    if backend.kind is STREAM_ORDERED:
+        return backend.send(array, peer, tag)
     handle = backend.post_send(array, peer, tag)
     if handle is not None:
         return _RecvWork(pg, handle, array, "send")
-    return _run(pg, "send", True, [array], backend.send, array, peer, tag)
+    return _run(pg, backend, "send", True, [array], backend.send, array, peer, tag)
 
 
 class _RecvWork(Work):
@@ -422,7 +431,7 @@ def _batch_on_stream(p2p_op_list: List[P2POp]) -> Optional[List[Work]]:
     if pg is None or check_one_device(first.tensor, [p.tensor for p in p2p_op_list]) != "cuda":
         return None
     backend = pg.backend_for("cuda")
-    if not backend.stream_ordered:
+    if backend.kind is not STREAM_ORDERED:
         return None
     items = []
     for p in p2p_op_list:

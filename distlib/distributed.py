@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Dict, List, Optional
 
 from .backends import cupy_env
-from .backends.base import CommBackend
+from .backends.base import BackendBase
 from .backends.nccl_devices import parse_device_id
 from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
@@ -94,7 +94,7 @@ def _config_for(backend: Optional[str]) -> Dict[str, str]:
 
 
 def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, label: str,
-                    group_name: str, global_ranks: List[int], pg_options, device_id=None) -> CommBackend:
+                    group_name: str, global_ranks: List[int], pg_options, device_id=None) -> BackendBase:
     if name == Backend.GLOO:
         from .backends.gloo import GlooBackend
 
@@ -117,9 +117,9 @@ def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, 
             backend = plugin.creator_fn(options, pg_options)
         else:
             backend = plugin.creator_fn(_needs_store(store, name), rank, size, timeout)
-        if not isinstance(backend, CommBackend):
+        if not isinstance(backend, BackendBase):
             raise TypeError(f"the creator of backend {name!r} returned {type(backend).__name__}, "
-                            f"not a distlib.CommBackend")
+                            f"not a distlib.CommBackend (or distlib.StreamOrderedBackend)")
         return backend
     if name in (Backend.UCC, Backend.XCCL):
         raise RuntimeError(
@@ -149,9 +149,9 @@ def _new_process_group(name: str, global_ranks: List[int], group_rank: int, stor
     """Create the backends of one group (the group's store is ``store/<name>/``)."""
     group_store = _prefixed(name + "/", store)
     size = len(global_ranks)
-    backends: Dict[str, CommBackend] = {}
+    backends: Dict[str, BackendBase] = {}
     names = set(config.values())
-    created: List[CommBackend] = []
+    created: List[BackendBase] = []
     try:
         if len(names) == 1:
             device, backend_name = next(iter(config.items()))
@@ -269,11 +269,24 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
 
 
 def destroy_process_group(group=None) -> None:
-    """Release a group's sockets, threads and shared memory; with no group, everything.
+    """Release a group's sockets, threads, shared memory and communicators; with no group,
+    every group.
 
-    Works after a failed collective too (torch leaves that unsupported), so a process can
-    init again.
+    As torch >= 2.6, operations already issued keep their results: a GPU group waits for its
+    enqueued operations (within its timeout) before it destroys its communicator, and aborts
+    only when the group has already failed or the wait runs out. Works after a failed
+    collective too (torch leaves that unsupported), so a process can init again.
     """
+    _teardown(group, ProcessGroup.shutdown)
+
+
+def _abort_process_group(group=None) -> None:
+    """Abort a group now, dropping what is pending (torch's ``_abort_process_group``); with no
+    group (or WORLD), every group. The group is gone afterwards, as after destroy."""
+    _teardown(group, ProcessGroup.abort)
+
+
+def _teardown(group, how) -> None:
     with world.lock:
         if group is NON_GROUP_MEMBER:
             return
@@ -281,14 +294,14 @@ def destroy_process_group(group=None) -> None:
             if world.default_pg is None:
                 raise ValueError("Invalid process group specified")
             for name in sorted(world.groups, key=lambda n: (len(n), n), reverse=True):
-                world.groups[name].shutdown()
+                how(world.groups[name])
             if getattr(world, "owns_store", False) and world.default_store is not None:
                 _close_store(world.default_store)
             world.reset()
             return
         if not isinstance(group, ProcessGroup) or world.groups.get(group.group_name) is not group:
             raise ValueError("Invalid process group specified")
-        group.shutdown()
+        how(group)
         del world.groups[group.group_name]
 
 

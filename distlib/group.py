@@ -12,7 +12,7 @@ import threading
 from datetime import timedelta
 from typing import Dict, List, Optional
 
-from .backends.base import CommBackend
+from .backends.base import BackendBase
 from .errors import DistBackendError
 from .work import OrderedExecutor
 
@@ -24,7 +24,7 @@ class ProcessGroup:
     bound_device_id: Optional[int] = None
 
     def __init__(self, name: str, global_ranks: List[int], group_rank: int, store, backend_name: str,
-                 backends: Dict[str, CommBackend], timeout: timedelta):
+                 backends: Dict[str, BackendBase], timeout: timedelta):
         self.group_name = name
         self._ranks = list(global_ranks)
         self._rank = group_rank
@@ -63,7 +63,7 @@ class ProcessGroup:
                              f"of size {len(self._ranks)}")
         return self._ranks[group_rank]
 
-    def backend_for(self, device: str) -> CommBackend:
+    def backend_for(self, device: str) -> BackendBase:
         backend = self.backends.get(device)
         if backend is None:
             have = ", ".join(f"{d}:{b.name}" for d, b in self.backends.items()) or "none"
@@ -72,16 +72,31 @@ class ProcessGroup:
                 f"init it with backend='cpu:gloo,cuda:nccl' to use both")
         return backend
 
-    def shutdown(self) -> None:
-        if self.destroyed:
-            return
-        self.destroyed = True
-        self.executor.close(DistBackendError(f"process group {self.group_name} was destroyed"))
+    def _each_backend(self):
         seen = set()
         for backend in self.backends.values():
             if id(backend) not in seen:
                 seen.add(id(backend))
-                backend.shutdown()
+                yield backend
+
+    def shutdown(self) -> None:
+        """destroy_process_group: each backend releases what it holds, after the operations
+        already issued to it have finished (within the group timeout)."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self.executor.close(DistBackendError(f"process group {self.group_name} was destroyed"))
+        for backend in self._each_backend():
+            backend.shutdown()
+
+    def abort(self, reason: Optional[str] = None) -> None:
+        """_abort_process_group: each backend drops what is pending now (torch's Backend.abort())."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self.executor.close(DistBackendError(f"process group {self.group_name} was aborted"))
+        for backend in self._each_backend():
+            backend.abort(reason)
 
     def __repr__(self) -> str:
         return f"ProcessGroup(name={self.group_name!r}, backend={self.backend_name!r}, ranks={self._ranks})"

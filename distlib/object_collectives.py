@@ -18,26 +18,15 @@ from typing import Any, List, Optional
 import numpy as np
 
 from . import collectives as C
+from .backends.base import HostObjectArrays
 from .distributed import _resolve, warn_not_in_group
 
 
-class _HostArrays:
-    """numpy arrays: put and get are the identity."""
-
-    @staticmethod
-    def put(host: np.ndarray) -> np.ndarray:
-        return host
-
-    @staticmethod
-    def get(array: np.ndarray) -> np.ndarray:
-        return array
-
-
 def _arrays_for(pg):
+    """Host arrays where the group has a CPU backend (torch's rule), else the backend's own."""
     if "cpu" in pg.backends:
-        return _HostArrays
-    device_arrays = getattr(next(iter(pg.backends.values())), "object_arrays", None)
-    return device_arrays() if device_arrays is not None else _HostArrays
+        return HostObjectArrays
+    return next(iter(pg.backends.values())).object_arrays()
 
 
 def _to_array(obj: Any) -> np.ndarray:

@@ -7,7 +7,8 @@ both present but no device or no driver (``getDeviceCount`` raises, e.g.
 as torch's needs NCCL built in; a communicator needs all three. Each answer is one line, so
 ``init_process_group("nccl")`` can say exactly what to install or fix.
 
-cupy is imported here only, on first use, so that CPU-only processes never pay for it.
+cupy is imported here only, on first use, so that CPU-only processes never pay for it; the
+test suite's fake device comes in through ``install`` (the backend sees no difference).
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ def status(refresh: bool = False) -> CudaStatus:
     with _lock:
         if _cached is None or refresh:
             _cached = _probe()
+        return _cached
+
+
+def install(cupy: Any, nccl: Any, devices: int) -> CudaStatus:
+    """Use ``cupy`` and ``nccl`` (modules with cupy's API) instead of importing cupy: the seam
+    where the CPU suite puts its fake device (tests/gpu/fake_cuda.py). Returns the new status."""
+    global _cached
+    with _lock:
+        _cached = CudaStatus(cupy, nccl, devices, "")
         return _cached
 
 

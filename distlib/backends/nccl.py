@@ -13,11 +13,18 @@ What it does the way torch's ProcessGroupNCCL does:
   for the caller's current stream; the call returns once it is enqueued, and a synchronous
   call leaves the caller's stream waiting on the operation (no host synchronisation). Arrays
   and temporaries are kept alive until the operation has finished on the GPU.
-* **Work:** ``wait()`` makes the current stream wait, ``wait(timeout)`` and ``synchronize()``
-  block the host, ``is_completed()`` asks the event, ``exception()`` holds the failure.
+* **Work** (nccl_work.py): ``wait()`` makes the current stream wait, ``wait(timeout)`` and
+  ``synchronize()`` block the host, ``is_completed()`` asks the event, ``exception()`` holds
+  the failure. The watchdog settles Works in issue order, in batches; a call costs the same
+  however many operations are in flight.
 * **Failure:** a watchdog (nccl_watchdog.py) aborts the communicator on a timeout or an NCCL
   error, and every later call or ``wait()`` raises DistBackendError naming the operation, its
-  number in the group and the ranks that had not reached it.
+  number in the group and the ranks that had not reached it. Every NCCL call on the
+  communicator goes through nccl_comm.Communicator, one thread at a time.
+* **Teardown, as torch >= 2.6:** ``shutdown()`` (destroy_process_group) waits for every
+  enqueued operation (the watchdog still enforces the timeout), then destroys the
+  communicator; it aborts only a group that has already failed. ``abort()`` (torch's
+  ``Backend.abort()``, ``_abort_process_group``) drops what is pending at once.
 
 What each collective is in NCCL calls is nccl_plan.py; how dtypes and ops map is
 nccl_types.py. This module only turns plans into cupy calls: keep it small.
@@ -30,136 +37,51 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..deadline import Deadline, format_duration
+from ..deadline import Deadline
 from ..errors import DistBackendError
 from ..reduce_op import ReduceOp
-from ..work import Work
 from . import cupy_env
 from . import nccl_plan as P
-from .base import CommBackend, RecvHandle
+from .base import RecvHandle, StreamOrderedBackend
 from .join import local_facts, publish_and_gather
+from .nccl_comm import Communicator
 from .nccl_devices import check_same_device, choose_device, parse_device_id, shared_gpus_hint
 from .nccl_types import UINT8, Wire, reduction, unique_id_bytes, unique_id_for, wire
 from .nccl_watchdog import SILENCE_CHECK_S, Heartbeat, Pending, Watchdog, diagnose, failure_text
+from .nccl_work import DeviceArrays, NcclRecv, NcclWork
 
 log = logging.getLogger("distlib.backends.nccl")
 
 _BYTES = Wire(UINT8, "uint8", 1)
+#: Room beyond the group timeout for a destroy's flush: the watchdog fails the group at the
+#: timeout and then diagnoses (SILENCE_CHECK_S); this is only the backstop.
+FLUSH_ROOM_S = SILENCE_CHECK_S + 5.0
+#: How many recorded-and-finished events are kept for reuse (an event costs a driver call).
+EVENT_POOL = 1024
 
 
-def _describe(op_name: str, arrays: Sequence) -> str:
-    if not arrays:
-        return op_name
-    first = arrays[0]
-    return f"{op_name} of {first.size} x {first.dtype}"
-
-
-class NcclWork(Work):
-    """An enqueued NCCL operation; settled by the watchdog when its event has completed."""
-
-    def __init__(self, backend: "NcclBackend", op_name: str, seq: int, event, result, blocking: bool):
-        super().__init__(op_name, list(result))
-        self._backend, self._event, self._blocking = backend, event, blocking
-        self.seq = seq
-
-    def _settle(self, error: Optional[BaseException]) -> None:
-        self._finish(error)
-
-    def is_completed(self) -> bool:
-        """The event's answer; once the communicator failed, only the watchdog's (an aborted
-        kernel also completes its event)."""
-        if self._future.done():
-            return True
-        return not self._backend.failing() and bool(self._event.done)
-
-    def exception(self) -> Optional[BaseException]:
-        return self._future._error if self._future.done() else None
-
-    def _raise_failure(self) -> None:
-        if self._future.done():
-            if self._future._error is not None:
-                raise self._future._error
-            return
-        self._backend.raise_if_failed()
-
-    def _host_wait(self, timeout: Optional[float]) -> None:
-        """Until the watchdog settles this Work, the communicator fails, or the time is up
-        (without ``timeout``: the group timeout and the watchdog's diagnosis, with room)."""
-        seconds = timeout if timeout is not None else self._backend.timeout_s + SILENCE_CHECK_S + 30.0
-        deadline = Deadline(seconds)
-        while not self._future._event.wait(min(0.1, deadline.remaining())):
-            if self._backend.failing():
-                self._backend.raise_if_failed()
-            if deadline.expired():
-                raise DistBackendError(f"Work.wait timed out after {format_duration(seconds)}: {self.op_name} "
-                                       f"has not finished")
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """The current stream waits for the operation; with ``timeout`` (or for a barrier)
-        the host blocks until it has finished, as torch's blocking wait."""
-        if timeout is not None or self._blocking:
-            self._host_wait(None if timeout is None else
-                            (timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)))
-        self._raise_failure()
-        self._backend.stream_waits_for(self._event)
-        return True
-
-    def synchronize(self) -> None:
-        """Block the host until the operation has finished on the GPU."""
-        self._host_wait(None)
-        self._raise_failure()
-
-
-class _NcclRecv(RecvHandle):
-    def __init__(self, work: NcclWork, peer: int):
-        self.work, self.peer = work, peer
-
-    def wait(self) -> int:
-        self.work.wait()
-        return self.peer
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
-class _DeviceArrays:
-    """Object collectives on a GPU-only group: byte arrays on the group's device (torch's way)."""
-
-    def __init__(self, backend: "NcclBackend"):
-        self.backend = backend
-        self.cupy = backend.cupy
-        self.device = backend.default_device()
-
-    def put(self, host: np.ndarray):
-        with self.cupy.cuda.Device(self.device):
-            return self.cupy.asarray(host)
-
-    def get(self, array) -> np.ndarray:
-        with self.cupy.cuda.Device(self.device):
-            host = array.get()
-        self.backend.raise_if_failed()
-        return host
-
-
-class NcclBackend(CommBackend):
+class NcclBackend(StreamOrderedBackend):
     name = "nccl"
-    stream_ordered = True
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, label: str = "nccl", device_id=None):
         super().__init__(store, rank, size, timeout)
         found = cupy_env.require()
         self.cupy, self.nccl, self.device_count = found.cupy, found.nccl, found.devices
+        self._runtime = self.cupy.cuda.runtime
         self.label = label
         self.timeout_s = timeout.total_seconds()
         self.bound = parse_device_id(device_id, self.device_count)
         self.version = int(self.nccl.get_version())
         self.device: Optional[int] = None
-        self.comm = None
+        self.comm: Optional[Communicator] = None
         self.stream = None
+        self._ready = None
+        self._events: List[Any] = []
+        self._plans: Dict[Tuple, Tuple[P.Plan, Any]] = {}
         self.seq = 0
         self.p2p_seq = 0
         self.hosts: Dict[int, str] = {}
@@ -171,7 +93,7 @@ class NcclBackend(CommBackend):
         self._failure_ready = threading.Event()
         self._failure: Optional[BaseException] = None
         self._enqueue_failure: Optional[Tuple[str, int, bool, str]] = None
-        self._closed = False
+        self._closed: Optional[str] = None
         if self.bound is not None:
             with self._lock:
                 self._connect(self.bound, f"device_id={self.bound}")
@@ -191,9 +113,16 @@ class NcclBackend(CommBackend):
             self.hosts = {r: str(rec.get("hostname", "?")) for r, rec in enumerate(records)}
             unique_id = unique_id_for(bytes.fromhex(str(records[0]["unique_id"])),
                                       as_tuple=cupy_env.cupy_major(cupy) < 14)
-            comm = self._init_communicator(unique_id, device, records)
+            try:
+                comm = Communicator.create(self.nccl, self.size, unique_id, self.rank,
+                                           lambda: cupy.cuda.Device(device), self.timeout_s, f"{who} on cuda:{device}")
+            except DistBackendError as exc:
+                hosts = ", ".join(sorted(set(self.hosts.values())))
+                raise DistBackendError(f"{exc} (all {self.size} ranks had joined, on {hosts}; run with NCCL_DEBUG=INFO "
+                                       f"to see where NCCL stopped){shared_gpus_hint(records)}") from exc.__cause__
             with cupy.cuda.Device(device):
                 self.stream = cupy.cuda.Stream(non_blocking=True)
+                self._ready = cupy.cuda.Event(block=False, disable_timing=True)
         except BaseException as exc:
             if not isinstance(exc, (ValueError, TypeError)):
                 self._failure = exc  # the group cannot be used: every later call says why
@@ -205,55 +134,43 @@ class NcclBackend(CommBackend):
         self._watch_store = self._own_store()
         self.heartbeat = Heartbeat(self._watch_store, self.rank, lambda: self.seq, self.label).start()
         self.watchdog = Watchdog(self.label, self.timeout_s, self._async_error, self._fail,
-                                 on_thread_start=lambda: cupy.cuda.Device(device).use()).start()
-
-    def _init_communicator(self, unique_id, device: int, records):
-        """ncclCommInitRank in a helper thread, so that it has a deadline like every other wait."""
-        box: Dict[str, object] = {}
-
-        def run() -> None:
-            try:
-                with self.cupy.cuda.Device(device):
-                    box["comm"] = self.nccl.NcclCommunicator(self.size, unique_id, self.rank)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                box["error"] = exc
-
-        thread = threading.Thread(target=run, name=f"distlib-nccl-init-{self.label}", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        where = f"{self.label} rank {self.rank}: ncclCommInitRank on cuda:{device}"
-        if thread.is_alive():
-            raise DistBackendError(
-                f"{where} did not finish within {format_duration(self.timeout_s)}, although all {self.size} ranks "
-                f"had joined (on {', '.join(sorted(set(self.hosts.values())))}); run with NCCL_DEBUG=INFO to see "
-                f"where NCCL stopped{shared_gpus_hint(records)}")
-        if "error" in box:
-            raise DistBackendError(f"{where} failed: {box['error']}{shared_gpus_hint(records)}") from box["error"]
-        return box["comm"]
+                                 on_thread_start=lambda: cupy.cuda.Device(device).use(),
+                                 recycle=self._recycle).start()
 
     def _own_store(self):
-        """A second connection for the heartbeat and the diagnosis (see nccl_watchdog.Heartbeat)."""
+        """A second connection for the heartbeat and the diagnosis (see nccl_watchdog.Heartbeat),
+        whose waits are short: a diagnosis must not wait a group timeout for a lost store."""
         try:
-            return self.store.clone()
+            store = self.store.clone()
         except Exception:  # noqa: BLE001 - a store that cannot be cloned is shared instead
             return self.store
+        if _innermost(store) is not _innermost(self.store):  # a HashStore's clone is itself: shared
+            try:
+                store.set_timeout(timedelta(seconds=min(self.timeout_s, 2 * SILENCE_CHECK_S)))
+            except Exception:  # noqa: BLE001 - a store without timeouts keeps its own
+                pass
+        return store
 
     def default_device(self) -> int:
         """The device of this rank's communicator, or the one it would get (no array given)."""
         if self.device is not None:
             return self.device
-        return choose_device(None, self.bound, os.environ, self.cupy.cuda.runtime.getDevice(),
-                             self.device_count)[0]
+        return choose_device(None, self.bound, os.environ, self._runtime.getDevice(), self.device_count)[0]
 
     def _device_for(self, arrays: Sequence, requested: Optional[int] = None) -> int:
         """The communicator's device, made now if need be; ``requested``: barrier's device_ids[0]."""
+        if self.comm is not None and requested is None:
+            for a in arrays:
+                if a.device.id != self.device:
+                    check_same_device(int(a.device.id), self.device, "the array", self.label)
+            return self.device
         devices = sorted({int(a.device.id) for a in arrays} | ({requested} if requested is not None else set()))
         if len(devices) > 1:
             raise ValueError(f"the arrays of one operation must be on one GPU, got "
                              f"{', '.join(f'cuda:{d}' for d in devices)}")
         array_device = devices[0] if devices else None
         if self.comm is None:
-            device, why = choose_device(array_device, self.bound, os.environ, self.cupy.cuda.runtime.getDevice(),
+            device, why = choose_device(array_device, self.bound, os.environ, self._runtime.getDevice(),
                                         self.device_count)
             self._connect(device, why)
         elif array_device is not None:
@@ -264,6 +181,10 @@ class NcclBackend(CommBackend):
 
     def failing(self) -> bool:
         return self._failing.is_set()
+
+    def host_wait_s(self) -> float:
+        """A host wait's default deadline: the group timeout, the diagnosis, and room."""
+        return self.timeout_s + SILENCE_CHECK_S + 30.0
 
     def raise_if_failed(self) -> None:
         if self._failing.is_set():
@@ -284,19 +205,13 @@ class NcclBackend(CommBackend):
     def _async_error(self) -> Optional[str]:
         if self._enqueue_failure is not None:
             return self._enqueue_failure[3]
-        try:
-            self.comm.check_async_error()
-        except self.nccl.NcclError as exc:
-            return f"failed: NCCL reported {exc}"
-        return None
+        return self.comm.async_error()
 
     def _fail(self, pending: Optional[Pending], cause: str) -> BaseException:
-        """The watchdog's failure: abort, find who lagged, keep the error for every later call."""
-        self._failing.set()
-        try:
-            self.comm.abort()
-        except Exception as exc:  # noqa: BLE001 - the error below matters more
-            log.warning("%s: aborting the NCCL communicator failed: %s", self.label, exc)
+        """The group's failure (the watchdog's, or a destroy that ran out of time): abort, find
+        who lagged, keep the error for every later call."""
+        self._failing.set()  # from here on, nothing new is enqueued (raise_if_failed)
+        self.comm.abort()
         first, second, problem, watched = diagnose(self._watch_store, self.size, self.watchdog.stop)
         if self._enqueue_failure is not None:
             what, seq, collective, _ = self._enqueue_failure
@@ -315,43 +230,70 @@ class NcclBackend(CommBackend):
 
     # -- enqueueing ------------------------------------------------------------------------------
 
+    def _recycle(self, event) -> None:
+        """A finished operation's event, for a later one (the watchdog's thread)."""
+        if len(self._events) < EVENT_POOL:
+            self._events.append(event)
+
     def stream_waits_for(self, event) -> None:
         """The caller's current stream (on the communicator's device) waits for ``event``."""
-        with self.cupy.cuda.Device(self.device):
-            self.cupy.cuda.get_current_stream().wait_event(event)
+        cuda = self.cupy.cuda
+        if self._runtime.getDevice() == self.device:
+            cuda.get_current_stream().wait_event(event)
+            return
+        with cuda.Device(self.device):
+            cuda.get_current_stream().wait_event(event)
 
     def _launch(self, op_name: str, plan: P.Plan, arrays: Sequence, collective: bool = True,
-                blocking: bool = False, result: Optional[Sequence] = None, device: Optional[int] = None) -> NcclWork:
-        cupy = self.cupy
+                blocking: bool = False, result: Optional[Sequence] = None, device: Optional[int] = None,
+                view=None) -> NcclWork:
         with self._lock:
-            if self._closed:
-                raise DistBackendError(f"{self.label}: the process group was destroyed")
-            self.raise_if_failed()
+            if self._closed is not None:
+                raise DistBackendError(f"{self.label}: the process group was {self._closed}")
+            if self._failing.is_set():
+                self.raise_if_failed()
             device = self._device_for(arrays, device)
-            with cupy.cuda.Device(device):
-                ready = cupy.cuda.Event(block=False, disable_timing=True)
-                cupy.cuda.get_current_stream().record(ready)
-                self.stream.wait_event(ready)
+            if view is None:
                 view = self._view_dtype(plan.wire, arrays)
-                with self.stream:
-                    temps = [cupy.empty(n, dtype=view) for n in plan.temps]
-                views = [a.reshape(-1).view(view) for a in arrays] + temps
-                try:
-                    self._issue(plan.steps, views, view.itemsize, plan.wire.nccl_type)
-                except Exception as exc:  # NCCL or CUDA refused part of it: the group is broken
-                    raise self._enqueue_failed(_describe(op_name, arrays), collective, exc) from exc
-                done = cupy.cuda.Event(block=False, disable_timing=True)
-                self.stream.record(done)
-            if collective:
-                self.seq += 1
-                seq = self.seq
-            else:
-                self.p2p_seq += 1
-                seq = self.p2p_seq
-            work = NcclWork(self, op_name, seq, done, arrays if result is None else result, blocking)
-            self.watchdog.add(Pending(seq, collective, _describe(op_name, arrays), time.monotonic(),
-                                      lambda: done.done, (arrays, views, ready), work._settle))
-            return work
+            if self._runtime.getDevice() == device:
+                return self._enqueue(op_name, plan, view, arrays, collective, blocking, result)
+            with self.cupy.cuda.Device(device):
+                return self._enqueue(op_name, plan, view, arrays, collective, blocking, result)
+
+    def _enqueue(self, op_name: str, plan: P.Plan, view, arrays: Sequence, collective: bool, blocking: bool,
+                 result: Optional[Sequence]) -> NcclWork:
+        """The operation after the caller's stream, on the backend's stream, and its Work;
+        ``view``: the dtype NCCL's counts are in (the plan's wire, as the array library has it)."""
+        cupy, stream = self.cupy, self.stream
+        stream.wait_event(cupy.cuda.get_current_stream().record(self._ready))  # ready: reusable at once
+        temps = ()
+        if plan.temps:
+            with stream:
+                temps = tuple(cupy.empty(n, dtype=view) for n in plan.temps)
+        buffers = [*arrays, *temps]
+        try:
+            raw = self.comm.acquire()
+        except DistBackendError:  # aborted by the watchdog meanwhile: its error, not this one
+            self.raise_if_failed()
+            raise
+        try:
+            self._issue(raw, plan.steps, buffers, view, plan.wire.nccl_type)
+        except Exception as exc:  # NCCL or CUDA refused part of it: the group is broken
+            raise self._enqueue_failed(_describe(op_name, arrays), collective, exc) from exc
+        finally:
+            self.comm.release()
+        done = self._events.pop() if self._events else cupy.cuda.Event(block=False, disable_timing=True)
+        stream.record(done)
+        if collective:
+            self.seq += 1
+            seq = self.seq
+        else:
+            self.p2p_seq += 1
+            seq = self.p2p_seq
+        work = NcclWork(self, op_name, seq, done, arrays if result is None else result, blocking)
+        self.watchdog.add(Pending(seq, collective, op_name, arrays[0] if arrays else None, time.monotonic(), done,
+                                  buffers, work))
+        return work
 
     def _view_dtype(self, how: Wire, arrays: Sequence):
         for a in arrays:
@@ -359,23 +301,25 @@ class NcclBackend(CommBackend):
                 return a.dtype  # bfloat16 and the like: the array library's own dtype object
         return np.dtype(how.view)
 
-    def _issue(self, steps, views, itemsize: int, nccl_type: int) -> None:
-        """Each step as one cupy call on the backend's stream (see nccl_plan.py)."""
-        comm, stream = self.comm, self.stream.ptr
-        runtime = self.cupy.cuda.runtime
+    def _issue(self, comm, steps, buffers, view, nccl_type: int) -> None:
+        """Each step as one cupy call on the backend's stream (see nccl_plan.py); NCCL gets
+        pointers (no array views are made except for a local Scale or Divide)."""
+        stream, itemsize = self.stream.ptr, view.itemsize
+        bases = [b.data.ptr for b in buffers]
 
         def ptr(region: P.Region) -> int:
-            return views[region.buffer].data.ptr + region.start * itemsize
+            return bases[region.buffer] + region.start * itemsize
 
         def part(region: P.Region):
-            return views[region.buffer][region.start:region.start + region.count]
+            return buffers[region.buffer].reshape(-1).view(view)[region.start:region.start + region.count]
 
         for step in steps:
             kind = type(step)
-            if kind is P.Group:
-                self._group(step.steps, views, itemsize, nccl_type)
-            elif kind is P.AllReduce and step.src.count:
-                comm.allReduce(ptr(step.src), ptr(step.dst), step.src.count, nccl_type, step.op, stream)
+            if kind is P.AllReduce:
+                if step.src.count:
+                    comm.allReduce(ptr(step.src), ptr(step.dst), step.src.count, nccl_type, step.op, stream)
+            elif kind is P.Group:
+                self._group(comm, step.steps, ptr, nccl_type, stream)
             elif kind is P.Reduce and step.src.count:
                 comm.reduce(ptr(step.src), ptr(step.dst), step.src.count, nccl_type, step.op, step.root, stream)
             elif kind is P.Broadcast and step.src.count:
@@ -384,11 +328,8 @@ class NcclBackend(CommBackend):
                 comm.allGather(ptr(step.src), ptr(step.dst), step.src.count, nccl_type, stream)
             elif kind is P.ReduceScatter and step.dst.count:
                 comm.reduceScatter(ptr(step.src), ptr(step.dst), step.dst.count, nccl_type, step.op, stream)
-            elif kind is P.Send and step.src.count:
-                comm.send(ptr(step.src), step.src.count, nccl_type, step.peer, stream)
-            elif kind is P.Recv and step.dst.count:
-                comm.recv(ptr(step.dst), step.dst.count, nccl_type, step.peer, stream)
             elif kind is P.Copy and step.src.count:
+                runtime = self._runtime
                 runtime.memcpyAsync(ptr(step.dst), ptr(step.src), step.src.count * itemsize,
                                     runtime.memcpyDeviceToDevice, stream)
             elif kind is P.Scale and step.region.count:
@@ -400,33 +341,52 @@ class NcclBackend(CommBackend):
                     target = part(step.region)
                     target /= step.by
 
-    def _group(self, steps, views, itemsize: int, nccl_type: int) -> None:
+    def _group(self, comm, steps, ptr, nccl_type: int, stream: int) -> None:
+        """Send/Recv steps between ncclGroupStart and ncclGroupEnd."""
         if not steps:
             return
-        self.nccl.groupStart()
+        nccl = self.nccl
+        nccl.groupStart()
         try:
-            self._issue(steps, views, itemsize, nccl_type)
+            for step in steps:
+                if type(step) is P.Send and step.src.count:
+                    comm.send(ptr(step.src), step.src.count, nccl_type, step.peer, stream)
+                elif type(step) is P.Recv and step.dst.count:
+                    comm.recv(ptr(step.dst), step.dst.count, nccl_type, step.peer, stream)
         except BaseException:
             try:
-                self.nccl.groupEnd()
+                nccl.groupEnd()
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 pass
             raise
-        self.nccl.groupEnd()
+        nccl.groupEnd()
 
     # -- collectives -----------------------------------------------------------------------------
 
-    def _reduction(self, array, op: ReduceOp):
-        return reduction(array.dtype, op, self.version)
+    def _cached(self, key: Tuple, build, arrays: Sequence) -> Tuple[P.Plan, Any]:
+        """(plan, view dtype) for ``key`` (a plan is never changed once built): the small
+        collectives of a training step repeat, and building one costs as much as enqueueing it."""
+        found = self._plans.get(key)
+        if found is None:
+            plan = build()
+            found = (plan, self._view_dtype(plan.wire, arrays))
+            if len(self._plans) < 4096:
+                self._plans[key] = found
+        return found
 
     def broadcast(self, array, root: int) -> NcclWork:
-        return self._launch("broadcast", P.broadcast(wire(array.dtype), array.size, root), [array])
+        plan, view = self._cached(("broadcast", array.dtype, array.size, root),
+                                  lambda: P.broadcast(wire(array.dtype), array.size, root), (array,))
+        return self._launch("broadcast", plan, [array], view=view)
 
     def all_reduce(self, array, op: ReduceOp) -> NcclWork:
-        return self._launch("all_reduce", P.all_reduce(self._reduction(array, op), array.size, self.size), [array])
+        plan, view = self._cached(("all_reduce", array.dtype, array.size, op.op, op.factor),
+                                  lambda: P.all_reduce(reduction(array.dtype, op, self.version), array.size,
+                                                       self.size), (array,))
+        return self._launch("all_reduce", plan, [array], view=view)
 
     def reduce(self, array, root: int, op: ReduceOp) -> NcclWork:
-        plan = P.reduce(self._reduction(array, op), array.size, root, self.rank, self.size)
+        plan = P.reduce(reduction(array.dtype, op, self.version), array.size, root, self.rank, self.size)
         return self._launch("reduce", plan, [array])
 
     def all_gather(self, outputs, array) -> NcclWork:
@@ -448,11 +408,11 @@ class NcclBackend(CommBackend):
         return self._launch("scatter", plan, arrays, result=[output])
 
     def reduce_scatter(self, output, inputs, op: ReduceOp) -> NcclWork:
-        plan = P.reduce_scatter(self._reduction(output, op), output.size, self.size)
+        plan = P.reduce_scatter(reduction(output.dtype, op, self.version), output.size, self.size)
         return self._launch("reduce_scatter", plan, [output, *inputs], result=[output])
 
     def reduce_scatter_into(self, output, array, op: ReduceOp) -> NcclWork:
-        plan = P.reduce_scatter_into(self._reduction(output, op), output.size, self.size)
+        plan = P.reduce_scatter_into(reduction(output.dtype, op, self.version), output.size, self.size)
         return self._launch("reduce_scatter_tensor", plan, [output, array], result=[output])
 
     def all_to_all(self, outputs, inputs) -> NcclWork:
@@ -480,7 +440,7 @@ class NcclBackend(CommBackend):
             raise ValueError("the nccl backend cannot receive from any source (src=None): NCCL has no wildcard "
                              "receive; pass src")
         work = self._launch("recv", P.recv(wire(array.dtype), array.size, src), [array], collective=False)
-        return _NcclRecv(work, src)
+        return NcclRecv(work, src)
 
     def batch_p2p(self, items: Sequence[Tuple[bool, object, int]]) -> NcclWork:
         """(is_send, array, group peer) per operation, in one NCCL group; arrays travel as bytes,
@@ -492,41 +452,86 @@ class NcclBackend(CommBackend):
 
     # -- objects, teardown -----------------------------------------------------------------------
 
-    def object_arrays(self) -> _DeviceArrays:
-        return _DeviceArrays(self)
+    def object_arrays(self) -> DeviceArrays:
+        return DeviceArrays(self)
+
+    def _close(self, how: str) -> bool:
+        """Refuse new operations from now on; False if already closed."""
+        with self._lock:
+            if self._closed is not None:
+                return False
+            self._closed = how
+            return True
 
     def shutdown(self) -> None:
-        """Stop the threads and abort the communicator (torch's destroy_process_group aborts too:
-        a destroy that waited for a dead peer would hang)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        """destroy_process_group, as torch >= 2.6: every enqueued operation finishes first
+        (within the group timeout, which the watchdog still enforces: a dead peer fails the
+        group, and then it is aborted), then ncclCommDestroy; the threads stop."""
+        if not self._close("destroyed"):
+            return
+        if self.watchdog is not None and not self.watchdog.failed:
+            if not self.watchdog.flush(self.timeout_s + FLUSH_ROOM_S):
+                self.watchdog.fail_all(f"was still pending when destroy_process_group() had waited "
+                                       f"{self.timeout_s + FLUSH_ROOM_S:.1f}s for it")
+        self._stop_threads(DistBackendError(f"{self.label}: the process group was destroyed before this "
+                                            f"operation finished"))
+        if self.comm is not None:
+            if self._failing.is_set():
+                self.comm.abort()  # done already by the failure; idempotent
+            else:
+                self.comm.destroy()
+        self._release()
+
+    def abort(self, reason: Optional[str] = None) -> None:
+        """torch's Backend.abort(): ncclCommAbort now; what is pending is dropped and its Work
+        fails with ``reason``; later calls raise the same."""
+        if not self._close("aborted"):
+            return
+        pending = self.watchdog.outstanding() if self.watchdog is not None else 0
+        error = DistBackendError(f"{self.label} rank {self.rank}: the process group was aborted"
+                                 f"{f' ({reason})' if reason else ''}; {pending} operation(s) still pending were "
+                                 f"dropped")
+        if self._failure is None:
+            self._failure = error
+        self._failing.set()
+        self._failure_ready.set()
+        if self.watchdog is not None:
+            self.watchdog.halt()
+        if self.comm is not None:
+            self.comm.abort()
+        self._stop_threads(error)
+        self._release()
+
+    def _stop_threads(self, error: BaseException) -> None:
         left: List[Pending] = self.watchdog.close() if self.watchdog is not None else []
+        for pending in left:
+            pending.work._settle(error)
         if self.heartbeat is not None:
             self.heartbeat.close()
-        if self.comm is not None:
-            try:
-                self.comm.abort()
-            except Exception as exc:  # noqa: BLE001 - teardown goes on
-                log.warning("%s: aborting the NCCL communicator at destroy failed: %s", self.label, exc)
-            self.comm = None
-        gone = DistBackendError(f"{self.label}: the process group was destroyed before this operation finished")
-        for pending in left:
-            pending.settle(gone)
-        if self._watch_store is not None and self._watch_store is not self.store:
+
+    def _release(self) -> None:
+        if self._watch_store is not None and _innermost(self._watch_store) is not _innermost(self.store):
             _close(self._watch_store)
         self._watch_store = None
-        self.stream = None
+        self._events.clear()
 
-    def abort(self, reason: str) -> None:
-        self.shutdown()
+
+def _describe(op_name: str, arrays: Sequence) -> str:
+    if not arrays:
+        return op_name
+    first = arrays[0]
+    return f"{op_name} of {first.size} x {first.dtype}"
+
+
+def _innermost(store):
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
 
 
 def _close(store) -> None:
     """Close the innermost store of a clone (a TCP connection of its own)."""
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
+    store = _innermost(store)
     close = getattr(store, "close", None)
     if callable(close):
         close()

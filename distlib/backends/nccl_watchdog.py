@@ -3,10 +3,12 @@ errors, and the error that names who had not reached the operation.
 
 NCCL work runs on the GPU after the call that enqueued it has returned, so nothing on the
 host notices by itself that it never finishes. A thread per backend polls (``Watchdog``):
-each outstanding operation's completion, its age against the group timeout, and the
-communicator's asynchronous error (``ncclCommGetAsyncError``: a peer that exited, a network
-failure). On the first failure the backend aborts its communicator (so the stuck kernels
-end) and every later call, and every ``wait()``, raises the error made here.
+the oldest outstanding operation's completion (they finish in issue order: one stream) and
+its age against the group timeout, and the communicator's asynchronous error
+(``ncclCommGetAsyncError``: a peer that exited, a network failure); it settles finished Works
+in batches. On the first failure the backend aborts its communicator (so the stuck kernels
+end) and every later call, and every ``wait()``, raises the error made here. A destroy waits
+for the queue to empty (``flush``) while the watchdog keeps enforcing the timeout.
 
 To say who is to blame, which torch cannot, every rank publishes a small record in the
 group's store (``Heartbeat``): the sequence number of the last collective it issued and a
@@ -17,11 +19,12 @@ ranks whose counter did not move are dead or frozen.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..deadline import format_duration
 
@@ -36,6 +39,8 @@ SILENCE_CHECK_S = 1.5 * HEARTBEAT_S
 #: late at most), long when idle (only the asynchronous error is checked).
 BUSY_POLL_S = 0.002
 IDLE_POLL_S = 0.1
+#: How long closing waits for the watchdog's and the heart-beat's threads.
+THREAD_JOIN_S = 5.0
 
 
 def record_key(rank: int) -> str:
@@ -163,38 +168,60 @@ class Heartbeat:
     def close(self) -> None:
         self.stop.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(timeout=5.0)
+            self.thread.join(timeout=THREAD_JOIN_S)
 
 
-@dataclass
 class Pending:
-    """One enqueued operation: its number, what it is, when it was issued, how to ask whether
-    it has finished, what must stay alive until then, and how to settle its Work."""
+    """One enqueued operation: its number, what it is (made into text only for an error), when
+    it was enqueued, the event recorded after it, what must stay alive until it has run, and
+    its Work (settled with ``work._settle(error_or_None)``)."""
 
-    seq: int
-    collective: bool
-    what: str
-    started: float
-    done: Callable[[], bool]
-    keep: Any
-    settle: Callable[[Optional[BaseException]], None]
+    __slots__ = ("seq", "collective", "op_name", "first", "started", "event", "keep", "work")
+
+    def __init__(self, seq: int, collective: bool, op_name: str, first, started: float, event, keep, work):
+        self.seq, self.collective, self.op_name, self.first = seq, collective, op_name, first
+        self.started, self.event, self.keep, self.work = started, event, keep, work
+
+    @property
+    def what(self) -> str:
+        """"all_reduce of 4 x float32", or the bare name for an operation without arrays."""
+        if self.first is None:
+            return self.op_name
+        return f"{self.op_name} of {self.first.size} x {self.first.dtype}"
 
 
 class Watchdog:
-    """Polls the outstanding operations in issue order; on a timeout or an asynchronous error
-    it calls ``fail(pending_or_None, cause)`` once, which returns the error to settle every
-    outstanding operation with, and stops."""
+    """Settles the outstanding operations in issue order and fails them all on the first
+    timeout or asynchronous error.
+
+    Operations of one backend run on one stream, so they finish in issue order: each round
+    asks only the oldest operation's event, and settles in one batch every finished one from
+    the front of the queue. Work per operation is constant however many are in flight (issue
+    25: a list searched by value made a call cost grow with the queue). ``add`` wakes the
+    thread only when the queue was empty: no hand-off per operation.
+
+    On a failure it calls ``fail(oldest_or_None, cause)`` once (the backend aborts and makes
+    the error), settles every outstanding operation with that error, and stops. An exception
+    of the watchdog itself (an event query raising: the device is gone) is such a failure, so
+    the group fails with its text instead of hanging on a dead thread.
+    """
 
     def __init__(self, label: str, timeout_s: float, check_async: Callable[[], Optional[str]],
                  fail: Callable[[Optional[Pending], str], BaseException],
-                 on_thread_start: Optional[Callable[[], None]] = None):
+                 on_thread_start: Optional[Callable[[], None]] = None,
+                 recycle: Optional[Callable[[Any], None]] = None):
         self.label, self.timeout_s = label, timeout_s
         self.check_async, self.fail, self.on_thread_start = check_async, fail, on_thread_start
-        self.pending: List[Pending] = []
+        self.recycle = recycle
+        self.pending: Deque[Pending] = collections.deque()
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
         self.wake = threading.Event()
         self.stop = threading.Event()
         self.failed = False
+        self.halted = False  # from the first failure or abort on: an event's completion means nothing
+        self.error: Optional[BaseException] = None
+        self._failing = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name=f"distlib-nccl-watchdog-{label}", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -203,58 +230,87 @@ class Watchdog:
 
     def add(self, pending: Pending) -> None:
         with self.lock:
+            was_empty = not self.pending
             self.pending.append(pending)
-        self.wake.set()
+        if was_empty:
+            self.wake.set()
 
     def outstanding(self) -> int:
-        with self.lock:
-            return len(self.pending)
+        return len(self.pending)
 
     def _loop(self) -> None:
-        if self.on_thread_start is not None:
-            self.on_thread_start()
-        while not self.stop.is_set():
-            if self.poll_once():
-                return
-            self.wake.wait(BUSY_POLL_S if self.outstanding() else IDLE_POLL_S)
-            self.wake.clear()
+        try:
+            if self.on_thread_start is not None:
+                self.on_thread_start()
+            while not self.stop.is_set():
+                if self.poll_once():
+                    return
+                self.wake.wait(BUSY_POLL_S if self.pending else IDLE_POLL_S)
+                self.wake.clear()
+        except Exception as exc:  # noqa: BLE001 - the watchdog's own failure fails the group, loudly
+            log.error("%s: the NCCL watchdog failed: %s: %s", self.label, type(exc).__name__, exc)
+            self.fail_all(f"could not be watched: the watchdog failed ({type(exc).__name__}: {exc})")
 
     def poll_once(self, now: Optional[float] = None) -> bool:
         """One round: settle what finished; True once a failure was handled (the loop ends)."""
-        now = time.monotonic() if now is None else now
-        with self.lock:
-            pending = list(self.pending)
         finished = []
-        for entry in pending:
-            if entry.done():
-                finished.append(entry)
-        if finished:
-            with self.lock:
-                self.pending = [p for p in self.pending if p not in finished]
-            for entry in finished:
-                entry.settle(None)
         with self.lock:
-            oldest = self.pending[0] if self.pending else None
+            pending = self.pending
+            while pending and not self.halted and pending[0].event.done:
+                finished.append(pending.popleft())
+            oldest = pending[0] if pending else None
+            if finished:
+                self.changed.notify_all()
+        for entry in finished:  # one batch, outside the lock
+            entry.work._settle(None)
+            if self.recycle is not None:
+                self.recycle(entry.event)
         cause = self.check_async()
-        if cause is None and oldest is not None and now - oldest.started > self.timeout_s:
-            cause = (f"timed out after {format_duration(now - oldest.started)} "
-                     f"(timeout {format_duration(self.timeout_s)})")
+        if cause is None and oldest is not None:
+            age = (time.monotonic() if now is None else now) - oldest.started
+            if age > self.timeout_s:
+                cause = f"timed out after {format_duration(age)} (timeout {format_duration(self.timeout_s)})"
         if cause is None:
             return False
-        self.failed = True
-        error = self.fail(oldest, cause)
-        with self.lock:
-            failed, self.pending = self.pending, []
-        for entry in failed:
-            entry.settle(error)
+        self.fail_all(cause, oldest)
         return True
 
+    def fail_all(self, cause: str, oldest: Optional[Pending] = None) -> BaseException:
+        """Fail the group once (from the watchdog, or from a destroy that ran out of time):
+        ``fail`` makes the error, every outstanding operation is settled with it."""
+        with self._failing:
+            if self.failed:
+                return self.error
+            with self.lock:
+                self.halted = True  # an aborted kernel completes its event too: no more successes
+                if oldest is None and self.pending:
+                    oldest = self.pending[0]
+            error = self.fail(oldest, cause)
+            with self.lock:
+                failed, self.pending = self.pending, collections.deque()
+                self.error, self.failed = error, True
+                self.changed.notify_all()
+            for entry in failed:
+                entry.work._settle(error)
+            return error
+
+    def halt(self) -> None:
+        """Settle nothing as a success from now on (the communicator is about to be aborted)."""
+        with self.lock:
+            self.halted = True
+
+    def flush(self, seconds: float) -> bool:
+        """Wait until every outstanding operation is settled, or the group failed, within
+        ``seconds``; True if so (the watchdog keeps running meanwhile and enforces the timeout)."""
+        with self.lock:
+            return self.changed.wait_for(lambda: not self.pending or self.failed, seconds)
+
     def close(self) -> List[Pending]:
-        """Stop the thread; returns what was still outstanding."""
+        """Stop the thread (bounded); returns what was still outstanding."""
         self.stop.set()
         self.wake.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(timeout=10.0)
+            self.thread.join(timeout=THREAD_JOIN_S)
         with self.lock:
-            left, self.pending = self.pending, []
+            left, self.pending = list(self.pending), collections.deque()
         return left

@@ -6,7 +6,8 @@
 torch's error texts, and ``Backend.register_backend(name, func, extended_api=False,
 devices=None)`` adds a third-party backend. A creator gets ``(store, group_rank,
 group_size, timeout)`` (or, with ``extended_api=True``, ``(options, pg_options)``) and returns
-a ``distlib.CommBackend``.
+a backend of one of the two kinds of backends/base.py: ``distlib.CommBackend`` (host-synchronous)
+or ``distlib.StreamOrderedBackend``.
 """
 
 from __future__ import annotations

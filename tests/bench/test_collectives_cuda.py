@@ -103,9 +103,10 @@ def test_targets_from_targets_json_judge_the_rows():
     bench = _judged(2, {big: 0.1 / 0.96, small: 12e-6}, {big: 0.1, small: 10e-6})
     results = {label: row.result() for label, row in bench.targets}
     assert results == {"nccl all_reduce 256 MiB busbw, 2 rank(s)": PASS,   # 0.96x >= 0.95x
-                       "nccl all_reduce 8 B latency, 2 rank(s)": PASS}     # 1.2x the time, just
+                       "nccl all_reduce 8 B latency, 2 rank(s)": PASS,     # 1.2x the time, just
+                       "nccl 8 B all_reduce, 10,000 in flight vs 10, 2 rank(s)": NOT_MEASURED}
     bench = _judged(2, {big: 0.1 / 0.94, small: 12.1e-6}, {big: 0.1, small: 10e-6})
-    assert {row.result() for _, row in bench.targets} == {MISS}
+    assert {row.result() for _, row in bench.targets} == {MISS, NOT_MEASURED}
     table = bench.targets_table()
     assert ">= 0.95x torch nccl (busbw)" in table and "<= 1.2x torch nccl's time" in table
     assert "2.5 GB/s" in table  # busbw = 256 MiB / 0.1064 s x 2(n-1)/n
@@ -114,9 +115,33 @@ def test_targets_from_targets_json_judge_the_rows():
 def test_one_rank_shows_algbw_and_judges_by_time():
     big = 256 * MIB
     bench = _judged(1, {big: 1e-3}, {big: 1e-3})
-    (label, row), _ = bench.targets
+    (label, row), *_ = bench.targets
     assert label == "nccl all_reduce 256 MiB busbw, 1 rank(s)" and row.result() == PASS
     assert bench._value_text(row, "distlib") == "algbw 268.4 GB/s"  # busbw is 0 at one rank
+
+
+def test_the_per_call_rows_and_their_targets():
+    """At one rank: 8 B back to back against torch (<= 0.5x its time), and 10,000 in flight
+    against distlib's own 10 (<= 1.2x); the table says whether the stream was held to the end."""
+    bench = _judged(1, {}, {})
+    rows = {(calls, flight): row for calls, flight, row in bench.per_call_rows}
+    assert sorted(rows) == [(10, True), (3000, False), (10000, True)]
+    rows[(3000, False)].add("distlib", 10e-6)
+    rows[(3000, False)].add("torch", 26e-6)
+    rows[(10, True)].add("distlib", 12e-6, held=[True])
+    rows[(10000, True)].add("distlib", 14.3e-6, held=[True])
+    rows[(10000, True)].add("torch", 30e-6, held=[False])
+    results = {label: row.result() for label, row in bench.targets}
+    assert results["nccl 8 B all_reduce, 3000 back to back, 1 rank(s)"] == PASS  # 2.6x faster
+    assert results["nccl 8 B all_reduce, 10,000 in flight vs 10, 1 rank(s)"] == PASS  # 14.3 / 12 = 1.19x
+    rows[(10000, True)].values["distlib"] = [14.6e-6]  # 1.22x the time at 10
+    assert dict(bench.targets)["nccl 8 B all_reduce, 10,000 in flight vs 10, 1 rank(s)"].result() == MISS
+    table = bench._per_call_table()
+    assert "3000 back to back" in table and "10,000 in flight" in table and "NO: the spin ended first" in table
+    entries = [e for e in bench.collectives_json() if e.get("calls")]
+    assert [(e["calls"], e["in_flight"], e["distlib"]["validated"]) for e in entries] == \
+        [(3000, False, True), (10, True, True), (10000, True, True)]
+    assert _judged(1, {}, {}, "--backend", "gloo").per_call_rows == []
 
 
 def test_targets_missing_from_the_run_say_why_and_gloo_has_none():

@@ -27,6 +27,9 @@ def one_gpu_env(rank: int) -> dict:
 
 
 def _init(rank, ws, path, backend="nccl", timeout_s=60, device_id=0):
+    import faulthandler
+
+    faulthandler.enable()  # a native crash prints every thread's Python stack
     if ws > 1:
         os.environ.update(one_gpu_env(rank))
     import cupy
@@ -259,6 +262,12 @@ def refusals(rank, ws, path):
     """What the nccl backend refuses is refused before anything is enqueued, on every rank alike,
     and the group goes on working."""
     dist, cp = _init(rank, ws, path)
+    return refusals_on(dist, cp, ws)
+
+
+def refusals_on(dist, cp, ws):
+    """refusals' steps on an initialised nccl group (a GPU's, or the fake's in the CPU suite):
+    [(error type, text, nothing enqueued)], and the all_reduce after them."""
     backend = dist.distributed.get_default_group().backends["cuda"]
     seen = []
 
@@ -286,6 +295,32 @@ def refusals(rank, ws, path):
     still = float(y.get()[0])
     dist.destroy_process_group()
     return seen, still
+
+
+def refusal_problems(seen, still, ws):
+    """What is wrong with refusals' answer: each refusal's text as users read it, nothing
+    enqueued by any, and a working group after them ([] when all is right)."""
+    texts = [text for _, text, _ in seen]
+    want = [
+        "Cannot use ReduceOp.BAND with NCCL: NCCL has no bitwise reductions",
+        "Input tensor data type is not supported for NCCL process group: int16",
+        "Input tensor data type is not supported for NCCL process group: uint16",
+        "Cannot use ReduceOp.PRODUCT on complex64 with NCCL",
+        "tensor is not contiguous (shape (4,), strides (16,)): pass cupy.ascontiguousarray(tensor)",
+        "one operation's arrays must all be numpy arrays or all cupy arrays, but it has a cpu array "
+        "(numpy.ndarray) beside a cuda one",
+    ] + (["the nccl backend cannot receive from any source (src=None): NCCL has no wildcard receive"]
+         if ws > 1 else []) + ["ReduceOp.AVG needs a floating-point array"]
+    problems = [f"refusal {i}: {kind} {text!r} was enqueued" for i, (kind, text, untouched) in enumerate(seen)
+                if not untouched]
+    if len(texts) != len(want):
+        problems.append(f"{len(texts)} refusals, {len(want)} expected: {texts}")
+    for i, (text, start) in enumerate(zip(texts, want)):
+        if not text.startswith(start):
+            problems.append(f"refusal {i}: {text!r} does not start with {start!r}")
+    if still != ws:
+        problems.append(f"the all_reduce after the refusals gave {still}, not {ws}")
+    return problems
 
 
 def async_ordering(rank, ws, path):
@@ -449,33 +484,6 @@ def killed_mid_all_reduce(rank, ws, path, victim):
     elapsed = time.monotonic() - started
     dist.destroy_process_group()
     return text, elapsed
-
-
-def silent_rank(rank, ws, path, laggard):
-    """The laggard never reaches collective #3; the others time out naming it."""
-    dist, cp = _init(rank, ws, path, timeout_s=10)
-    x = cp.asarray(np.ones(4, np.float32))
-    dist.all_reduce(x)  # 1
-    dist.all_reduce(x)  # 2
-    if rank == laggard:
-        time.sleep(25)
-        dist.destroy_process_group()
-        return "slept", 0.0
-    started = time.monotonic()
-    try:
-        dist.all_reduce(x)  # 3: enqueued, never finishes
-        dist.barrier()
-        text = "no error"
-    except dist.DistBackendError as exc:
-        text = str(exc)
-    elapsed = time.monotonic() - started
-    try:
-        dist.all_reduce(x)
-        again = "no error"
-    except dist.DistBackendError as exc:
-        again = str(exc)
-    dist.destroy_process_group()
-    return text, elapsed, again == text
 
 
 def lazy_and_bound(rank, ws, path):

@@ -115,13 +115,19 @@ def test_a_lost_store_is_said_not_guessed(stores):
 
 
 class _Op:
-    """An outstanding operation whose completion the test controls (the GPU's event)."""
+    """An outstanding operation whose completion the test controls: its own event (``done``)
+    and its Work (``_settle``)."""
 
     def __init__(self, seq, started):
-        self.finished = threading.Event()
+        self.done = False
         self.settled = []
-        self.pending = W.Pending(seq, True, f"op #{seq}", started, self.finished.is_set, object(),
-                                 self.settled.append)
+        self.pending = W.Pending(seq, True, "op", None, started, self, object(), self)
+
+    def finish(self):
+        self.done = True
+
+    def _settle(self, error):
+        self.settled.append(error)
 
 
 def _watchdog(async_errors=(), timeout_s=10.0):
@@ -142,10 +148,10 @@ def test_finished_operations_are_settled_and_released():
     dog.add(a.pending)
     dog.add(b.pending)
     assert dog.poll_once(now=101.0) is False and a.settled == [] and dog.outstanding() == 2
-    a.finished.set()
+    a.finish()
     assert dog.poll_once(now=101.0) is False
     assert a.settled == [None] and b.settled == [] and dog.outstanding() == 1
-    b.finished.set()
+    b.finish()
     dog.poll_once(now=101.0)
     assert b.settled == [None] and dog.outstanding() == 0 and failures == []
 
@@ -174,7 +180,7 @@ def test_what_finished_before_the_error_stays_a_success():
     dog.add(a.pending)
     dog.add(b.pending)
     dog.poll_once(now=1.0)
-    a.finished.set()
+    a.finish()
     assert dog.poll_once(now=1.0) is True
     assert a.settled == [None] and str(b.settled[0]) == "failed at 2: failed: NCCL reported boom"
 
@@ -185,7 +191,7 @@ def test_the_thread_polls_and_stops():
     op.pending.started = __import__("time").monotonic()
     dog.start()
     dog.add(op.pending)
-    op.finished.set()
+    op.finish()
     for _ in range(200):
         if op.settled:
             break
@@ -201,3 +207,53 @@ def test_an_error_with_nothing_outstanding_has_no_number():
                           "failed: NCCL reported remote error", 2, records, later, HOSTS, 3.0)
     assert text.startswith("pg rank 0: the communicator on cuda:0, idle after collective #4, failed: NCCL reported")
     assert "in this group" not in text and "had not reached" not in text
+
+
+def test_only_the_oldest_is_asked_and_finished_ones_settle_in_issue_order():
+    """One stream runs its operations in order: a later one reported done before the oldest
+    (never on a GPU) waits for it; the watchdog never looks past the oldest."""
+    dog, failures = _watchdog()
+    a, b = _Op(1, 100.0), _Op(2, 100.0)
+    dog.add(a.pending)
+    dog.add(b.pending)
+    b.finish()
+    assert dog.poll_once(now=101.0) is False and a.settled == b.settled == [] and dog.outstanding() == 2
+    a.finish()
+    dog.poll_once(now=101.0)
+    assert a.settled == b.settled == [None] and dog.outstanding() == 0
+
+
+def test_a_failing_watchdog_fails_the_group_instead_of_dying_silently():
+    """An event query that raises (the device is gone) becomes the group's error."""
+    dog, failures = _watchdog()
+
+    class Broken:
+        @property
+        def done(self):
+            raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+
+    op = _Op(1, __import__("time").monotonic())
+    op.pending.event = Broken()
+    dog.add(op.pending)
+    dog.start()
+    dog.thread.join(10)
+    assert not dog.thread.is_alive() and dog.failed
+    assert failures == [(1, "could not be watched: the watchdog failed (RuntimeError: cudaErrorLaunchFailure: "
+                            "unspecified launch failure)")]
+    assert str(op.settled[0]).startswith("failed at 1: could not be watched")
+
+
+def test_flush_waits_for_the_outstanding_and_halt_stops_successes():
+    dog, failures = _watchdog()
+    a = _Op(1, __import__("time").monotonic())
+    dog.add(a.pending)
+    dog.start()
+    assert dog.flush(0.05) is False  # not finished yet
+    a.finish()
+    assert dog.flush(10) is True and a.settled == [None]
+    b = _Op(2, __import__("time").monotonic())
+    dog.halt()
+    dog.add(b.pending)
+    b.finish()  # an aborted kernel completes its event too
+    assert dog.flush(0.2) is False and b.settled == []
+    assert [p.seq for p in dog.close()] == [2]

@@ -56,13 +56,21 @@ def runs_nccl(backend: str) -> bool:
     return any(part.split(":")[-1].strip().lower() == "nccl" for part in backend.split(","))
 
 
-def job_device(backend: str, env: Mapping[str, str]) -> Optional[int]:
+def job_device(backend: str, env: Mapping[str, str], devices: Optional[int] = None) -> Optional[int]:
     """The GPU a job's process binds its group to: ``LOCAL_RANK`` (0 without one) when the
-    backend runs NCCL, else None (a launcher starts one process per GPU of its node)."""
+    backend runs NCCL, else None (a launcher starts one process per GPU of its node). With
+    more processes than visible GPUs, LOCAL_RANK modulo their number (torch's fallback; ranks
+    of one communicator sharing a GPU need NCCL_HOSTID, see docs/gpu.md). ``devices``: the
+    visible GPUs (None: ask cupy; 0: none known, LOCAL_RANK as is)."""
     if not runs_nccl(backend):
         return None
     text = env.get("LOCAL_RANK", "").strip()
-    return int(text) if text.isdigit() else 0
+    local = int(text) if text.isdigit() else 0
+    if devices is None:
+        from distlib.backends import cupy_env
+
+        devices = cupy_env.status().devices
+    return local % devices if devices > 0 else local
 
 
 #: What the jobs report as the init method of the mpi backend (it has none: mpirun says who is who).
