@@ -1,9 +1,10 @@
 """Fixtures of the platform tests: real hosts in VMs (vm.py) and, on them, real NFS (vm_nfs.py).
 
     vm_image   (session) the cached VM image (build-vm-image.sh: minutes once, then instant)
-    nfs_hosts  (session) the kernel NFS server VM, 3 client VMs and a spare (for the test that
+    nfs_hosts  (package) the kernel NFS server VM, 3 client VMs and a spare (for the test that
                powers one off), and the Compose cluster's NFS server container (MODE=nfs),
-               every mount in every client; all of it removed when the session ends
+               every mount in every client; all of it removed after the package's last test
+               (emulated VMs cost CPU even when idle)
 
 The image needs root (debootstrap) and a Debian host (apt); the ganesha container needs the
 Docker engine and the distlib image (the distlib_image fixture). Where they are missing the
@@ -41,7 +42,7 @@ def vm_image() -> vm_module.Image:
         pytest.fail(str(exc), pytrace=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def nfs_hosts(vm_image, distlib_image):
     with vm_nfs.start(vm_image, clients=3, spares=1, ganesha_image=distlib_image) as hosts:
         yield hosts

@@ -14,7 +14,8 @@ import pytest
 from .vm import VMError
 from .vm_nfs import GUEST_NFS, script, spawn_script, spawned_result, wait_for_marker
 
-pytestmark = [pytest.mark.containers, pytest.mark.vms]
+# the first test also waits for the VM image (minutes, once per machine) and the boot
+pytestmark = [pytest.mark.containers, pytest.mark.vms, pytest.mark.timeout(1800)]
 
 LAN = {"GLOO_SOCKET_IFNAME": "eth1"}
 
