@@ -70,7 +70,7 @@ mkdir -p "$LOGS"
 cleanup() {
     local m
     # debootstrap leaves proc/sys mounted in the tree when it fails
-    for m in $(awk -v w="$WORK/" 'index($2, w) == 1 { print $2 }' /proc/mounts | sort -r); do umount -l "$m" || true; done
+    awk -v w="$WORK/" 'index($2, w) == 1 { print $2 }' /proc/mounts | sort -r | while read -r m; do umount -l "$m" || true; done
     rm -rf --one-file-system "$WORK"
 }
 trap cleanup EXIT
@@ -151,14 +151,16 @@ else
     DEBIAN_FRONTEND=noninteractive debootstrap --variant=minbase --components=main --include="$PACKAGES" \
         "$SUITE" "$ROOTFS" "$mirror" >"$LOGS/debootstrap.log" 2>&1 ||
         { tail -n 15 "$LOGS/debootstrap.log" >&2; die "debootstrap failed (log: $LOGS/debootstrap.log)"; }
-    for m in $(awk -v w="$ROOTFS/" 'index($2, w) == 1 { print $2 }' /proc/mounts | sort -r); do umount -l "$m"; done
+    awk -v w="$ROOTFS/" 'index($2, w) == 1 { print $2 }' /proc/mounts | sort -r | while read -r m; do umount -l "$m"; done
     rm -rf "$ROOTFS"/var/cache/apt/* "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/usr/share/doc/* \
         "$ROOTFS"/usr/share/man/* "$ROOTFS"/usr/share/locale/* "$ROOTFS"/var/log/*
     rm -f "$CACHE"/debootstrap-*.tar
     tar -C "$ROOTFS" -cf "$root_tar.tmp" . && mv "$root_tar.tmp" "$root_tar"
 fi
 # the kernel's modules the root needs, and a module index for them
-for f in $(modules_of $MODULES) lib/modules/"$kver"/modules.order lib/modules/"$kver"/modules.builtin \
+read -ra module_list <<<"$MODULES"
+read -ra boot_module_list <<<"$BOOT_MODULES"
+for f in $(modules_of "${module_list[@]}") lib/modules/"$kver"/modules.order lib/modules/"$kver"/modules.builtin \
     lib/modules/"$kver"/modules.builtin.modinfo; do
     mkdir -p "$ROOTFS/$(dirname "$f")"
     cp "$WORK/kernel/$f" "$ROOTFS/$f"
@@ -192,7 +194,7 @@ mkfs.ext4 -q -F -L distlib-root -d "$ROOTFS" "$WORK/root.img" "${size_mb}M" >&2
 INITRD="$WORK/initrd"
 mkdir -p "$INITRD"/{bin,dev,proc,sys,newroot,mods}
 cp "$BUSYBOX" "$INITRD/bin/busybox"
-boot_files="$(modules_of $BOOT_MODULES)"
+boot_files="$(modules_of "${boot_module_list[@]}")"
 {
     printf '#!/bin/busybox sh\n'
     printf '/bin/busybox mount -t devtmpfs devtmpfs /dev\n/bin/busybox mount -t proc proc /proc\n'

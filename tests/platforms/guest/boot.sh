@@ -12,10 +12,10 @@
 # the only address there is the host's loopback (10.0.2.2); nothing else can be addressed.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
-arg() {
-    for w in $(cat /proc/cmdline); do
-        case "$w" in "distlib.$1="*) printf '%s\n' "${w#*=}"; return ;; esac
-    done
+arg() { # the value of distlib.$1= on the kernel command line
+    tr ' ' '\n' </proc/cmdline | while read -r w; do
+        case "$w" in "distlib.$1="*) printf '%s\n' "${w#*=}" ;; esac
+    done | head -n 1
 }
 nic_with_mac() { # the interface whose MAC starts with $1
     for d in /sys/class/net/*; do
