@@ -13,7 +13,7 @@ own events, never by sleeps. Prints one JSON line: what this side saw.
    seen a's announcement;
 4. ``delete_key``: b deletes "from-b" once a has read it (True), then again (False); a checks
    it is gone;
-5. ``num_keys``: both count the keys after a final meeting.
+5. ``num_keys``: both count the keys after a meeting, and leave only once both have counted.
 """
 
 import json
@@ -66,7 +66,11 @@ def main() -> None:
     meet("done")
     out["num_keys"] = store.num_keys()
     out["keys"] = sorted(store.list_keys())
-    meet("counted")
+    # neither side closes (which writes keys) before the other has counted; this last meeting
+    # adds no key: each side overwrites its own "done/<side>", and polls the other's
+    store.set(f"done/{side}", "counted")
+    while store.get(f"done/{other}") != b"counted":
+        time.sleep(0.05)
     store.close()
     print(json.dumps(out), flush=True)
 
