@@ -39,7 +39,7 @@ def test_a_host_powered_off_mid_rendezvous_is_named_by_the_others(nfs_hosts):
     spare = nfs_hosts.spare()
     c1, c2 = nfs_hosts.clients[:2]
     directory = nfs_hosts.new_dir("nfs4.2", "poweroff")
-    url, timeout = f"file://{directory}/store", 40
+    url, timeout = f"file://{directory}/store", 25
     c2.sh("rm -f /tmp/go").check()
     results = {}
 
