@@ -623,7 +623,8 @@ def test_a_job_held_past_cluster_timeout_is_stopped_and_what_held_it_is_named(di
     assert "cluster: HELD: rank 1 never joined: 1/2 ranks joined, and rank 0 waited for the rest" in err, err
     assert re.search(r"cluster: HELD: rank 0 \(worker-\d\) was still waiting: .*pg0/gloo rank 0: 1/2 ranks joined "
                      r"after \S+; waiting for ranks 1", err), err
-    assert re.search(r"cluster: HELD: rank 1 \(worker-\d\) last said: late: rank 1 sleeping", err), err
+    # (distlib-run prefixes a worker's lines with its rank, as torchrun does)
+    assert re.search(r"cluster: HELD: rank 1 \(worker-\d\) last said: (\[rank1\]: )?late: rank 1 sleeping", err), err
     workers = engine.project_containers(docker_client, project_of(cluster_state), "worker")
     assert len(workers) == 2 and all(c.status == "exited" for c in workers), [c.status for c in workers]
 
