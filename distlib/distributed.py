@@ -14,6 +14,7 @@ import warnings
 from datetime import timedelta
 from typing import Dict, List, Optional
 
+from . import settings
 from .backends import cupy_env
 from .backends.base import BackendBase
 from .backends.nccl_devices import parse_device_id
@@ -193,6 +194,24 @@ def _close_store(store) -> None:
 # -- init / destroy -------------------------------------------------------------------------------
 
 
+def _launcher_init_method(rank: int, world_size: int):
+    """(init method, rank, world size) for an init_process_group() given neither init_method nor
+    store: ``DISTLIB_INIT_METHOD`` when set (distlib-run passes it on in the Compose cluster's and
+    the Helm chart's file modes, where no TCP store runs and MASTER_ADDR may be this host's own
+    loopback), with the launcher's RANK and WORLD_SIZE where the caller gave none (a file:// URL
+    takes them from no variable, as in torch); else ``env://``, as torch does."""
+    url = settings.init_method()
+    if not url:
+        return "env://", rank, world_size
+    if rank < 0 and os.environ.get("RANK", "").isdigit():
+        rank = int(os.environ["RANK"])
+    if world_size < 0 and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
+    log.info("init_process_group: init_method %s from DISTLIB_INIT_METHOD (rank %d, world size %d)", url, rank,
+             world_size)
+    return url, rank, world_size
+
+
 def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
                        timeout: Optional[timedelta] = None, world_size: int = -1, rank: int = -1,
                        store=None, group_name: str = "", pg_options=None, device_id=None) -> None:
@@ -200,8 +219,9 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
 
     Blocks until every rank has joined (logging progress every few seconds); on timeout the
     error names the ranks that never arrived. ``init_method`` and ``store`` are mutually
-    exclusive; with neither, ``env://``. ``backend`` None picks by device: gloo for cpu, and
-    nccl for cuda where a GPU can run it ("cpu:gloo,cuda:nccl"), or nccl alone with a cuda
+    exclusive; with neither, ``DISTLIB_INIT_METHOD`` when the launcher set it (a file mode: the
+    rendezvous is that FileStore), else ``env://`` as in torch. ``backend`` None picks by
+    device: gloo for cpu, and nccl for cuda where a GPU can run it ("cpu:gloo,cuda:nccl"), or nccl alone with a cuda
     ``device_id``. ``device_id`` (an int, "cuda:N" or a cupy Device) binds the group to that GPU
     and makes the NCCL communicator now rather than at the first collective.
     To rendezvous through a standing ``distlib store-server`` rather than a store hosted by
@@ -221,7 +241,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             check_rank(rank, world_size, f"rank={rank}, from the rank= argument",
                        f"world_size={world_size}, from the world_size= argument")
         elif init_method is None:
-            init_method = "env://"
+            init_method, rank, world_size = _launcher_init_method(rank, world_size)
         device_id = parse_device_id(device_id)
         if backend is None and device_id is not None:
             backend = Backend.NCCL  # torch: the default backend of the device's type

@@ -45,6 +45,7 @@ from typing import Iterator, List, Optional
 
 from ..deadline import Deadline, TimeoutLike
 from .base import DEFAULT_STORE_TIMEOUT, Store, ValueLike, check_key, check_keys, to_bytes
+from .file_guard import guard
 from .file_io import LogFile
 from .file_mounts import check_mount
 from .file_sidecar import SIDECAR_SUFFIX
@@ -88,8 +89,9 @@ class FileStore(Store):
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
         path = os.path.abspath(os.fsdecode(os.fspath(file_name)))
-        check_mount(path)
-        self._log = LogFile(path, world_size, max(self._timeout_s, MIN_LOCK_WAIT_S))
+        mount = check_mount(path)
+        # on NFS (or another network file system) each operation gets a deadline: file_guard.py
+        self._log = guard(LogFile(path, world_size, max(self._timeout_s, MIN_LOCK_WAIT_S)), mount)
         self._log.join()
         self._finalizer = weakref.finalize(self, _finalize, self._log)
 

@@ -293,12 +293,13 @@ class Mesh:
             for conn in self.conns:
                 if conn is not None:
                     conn.sock.close()
-            missing = ", ".join(str(r) for r in sorted(expected))
+            missing = ", ".join(f"{r} ({endpoint(*addresses[r][:2])})" for r in sorted(expected))
             raise DistNetworkError(
                 f"{self.label}: rank {self.rank} waited {format_duration(deadline.seconds)} for ranks {missing} "
                 f"to connect to {endpoint(*self.listener.getsockname()[:2])}; they published their addresses "
-                f"but never connected (a firewall, or this rank's advertised address is unreachable from "
-                f"them: set GLOO_SOCKET_IFNAME){self._refusals_text()}")
+                f"but never connected (their host went down or the process died after joining, a firewall, "
+                f"or this rank's advertised address is unreachable from them: set GLOO_SOCKET_IFNAME)"
+                f"{self._refusals_text()}")
         self._progress = threading.Thread(target=self._progress_loop, name=f"distlib-progress-{self.label}",
                                           daemon=True)
         self._progress.start()

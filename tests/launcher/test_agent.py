@@ -438,3 +438,51 @@ def test_a_workers_error_file_is_quoted_in_the_failure_report(tmp_path):
     assert done.returncode == 1
     assert re.search(r"its error file \(\S+/attempt_0/0/error\.json, written by @record\): RuntimeError: the data "
                      r"loader ran dry", done.stderr), done.stderr
+
+
+# A user's unmodified training script, as in docs/cluster.md: no init_method, no rank.
+USER_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    import distlib as dist
+    from distlib.group import world
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    x = np.full(4, rank + 1, np.int64)
+    dist.all_reduce(x)
+    print(json.dumps({"rank": rank, "world": dist.get_world_size(), "all_reduce": x.tolist(),
+                      "store": world.default_store.underlying_store.describe()}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_an_unmodified_script_meets_through_the_launchers_init_method(tmp_path):
+    """The cluster's file modes: distlib-run passes DISTLIB_INIT_METHOD (a FileStore) on, and
+    MASTER_ADDR:MASTER_PORT is not the job's store (here a port another program holds, as a
+    container's loopback holds nothing of rank 0's). ``init_process_group("gloo")`` must meet
+    through the FileStore, with the launcher's RANK and WORLD_SIZE."""
+    import socket
+
+    script = write(tmp_path, "my_train.py", USER_SCRIPT)
+    store_file = tmp_path / "shared" / "store"
+    store_file.parent.mkdir()
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen(1)  # something that is not a store holds MASTER_PORT
+    port = other.getsockname()[1]
+    env = clean_env(DISTLIB_INIT_METHOD=f"file://{store_file}")
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--run-id", "file-mode", "--rdzv-timeout", "30"]
+    try:
+        nodes = [start_launcher(*common, "--node-rank", str(n), script, env=env) for n in (1, 0)]
+        outs = [proc.communicate(timeout=90) for proc in nodes]
+    finally:
+        other.close()
+    for proc, (out, err) in zip(nodes, outs):
+        assert proc.returncode == 0, err[-3000:]
+    got = {r["rank"]: r for out, _ in outs for r in reports(out)}
+    assert sorted(got) == [0, 1], outs
+    for rank, r in got.items():
+        assert (r["world"], r["all_reduce"]) == (2, [3, 3, 3, 3]), r
+        assert r["store"] == f"FileStore {store_file}", r

@@ -48,6 +48,18 @@ def test_a_killed_rank_is_recorded_and_its_parent_ends_by_the_same_signal(tmp_pa
     assert "mpi_rank: rank 5 on" in err and "killed by signal 9 (SIGKILL)" in err
 
 
+def test_a_rank_gets_torchs_variables_from_mpis(tmp_path):
+    """A user's script written for torchrun reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE."""
+    mpi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    code = "import os; print(*(os.environ.get(k) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')))"
+    proc = wrapped(tmp_path, code, {k: "" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} | mpi)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.split() == ["3", "4", "1", "2"], err
+    assert mpi_rank.torch_env({**mpi, "RANK": "7"}) == {"WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert mpi_rank.torch_env({}) == {}
+
+
 @pytest.mark.parametrize("status", [0, 3])
 def test_the_exit_status_passes_through(tmp_path, status):
     proc = wrapped(tmp_path, f"print('out'); raise SystemExit({status})", {"PMIX_RANK": "2"})
@@ -115,6 +127,8 @@ def test_the_mpirun_command():
     assert "--mca btl_tcp_if_include eth0" in text and "--prtemca oob_tcp_if_include eth0" in text
     assert "--prtemca plm_ssh_no_tree_spawn 1" in text  # only the launcher holds the private key
     assert "-x DISTLIB_BACKEND=mpi" in text and "-x DISTLIB_RUN_ID" in text and "DISTLIB_LOG_LEVEL" not in text
+    # a script written for torchrun (env://) finds rank 0's store on node 0
+    assert "-x MASTER_ADDR=10.0.0.2 -x MASTER_PORT=29500" in text
     tail = cmd[cmd.index("distlib.tools.jobs.mpi_rank") - 2:]
     assert tail == ["/opt/distlib/bin/python", "-m", "distlib.tools.jobs.mpi_rank", "--", "/opt/distlib/bin/python",
                     "-m", "distlib.tools.jobs.train_dp", "--epochs", "2"]

@@ -2,8 +2,10 @@
 
 Workers often start before the master, and container DNS names often appear a moment after
 the container: a refused connection or an unresolvable name at first is normal. So
-``connect`` retries with backoff until its deadline, and when it gives up it says what went
-wrong, classified (``distlib.net.classify``) as one of
+``connect`` retries with backoff until its deadline, saying so at WARNING after WARN_AFTER_S
+and every WARN_EVERY_S after that (what failed, where, how long is left: a rank never waits in
+silence; a loopback address gets a hint, since in a container it is nobody else's), and when
+it gives up it says what went wrong, classified (``distlib.net.classify``) as one of
 
 * ``name not resolved``  — DNS has no address for the host (yet);
 * ``connection refused`` — the host answered but nobody listens on the port;
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import random
 import socket
 import threading
@@ -30,13 +33,18 @@ from ...errors import DistNetworkError
 from ...net import NAME_NOT_RESOLVED, classify, format_endpoint, lookup_name, tune
 
 __all__ = ["connect", "resolve", "resolve_within", "describe_socket", "format_endpoint", "classify",
-           "lookup_name", "tune", "NameLookupStalled"]
+           "lookup_name", "tune", "NameLookupStalled", "loopback_hint"]
 
 log = logging.getLogger("distlib.store.tcp.connect")
 
 FIRST_RETRY_DELAY = 0.002  # s; a master that starts a moment late (ranks started together) is found at once
 MAX_RETRY_DELAY = 1.0  # s; and one that takes minutes costs a probe a second
 ATTEMPT_TIMEOUT = 5.0  # s; one SYN without an answer for this long counts as "no answer"
+#: A store not reached after this long is worth a WARNING (ranks started together reach it
+#: within milliseconds; seconds mean a master still starting, or an address that is wrong) ...
+WARN_AFTER_S = 3.0
+#: ... repeated this often while the connect keeps retrying, so a rank never waits silently.
+WARN_EVERY_S = 15.0
 
 NAME_LOOKUP_STALLED = "name lookup did not finish"
 
@@ -97,6 +105,7 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore serv
     """
     attempts = 0
     delay = FIRST_RETRY_DELAY
+    warn_at = WARN_AFTER_S
     last_failure = "no attempt made"
     addresses: List[str] = []
     while True:
@@ -118,7 +127,7 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore serv
                 sock.connect(addr)
             except OSError as exc:
                 sock.close()
-                last_failure = f"{classify(exc)} at {format_endpoint(addr[0], port)}"
+                last_failure = f"{classify(exc)} at {format_endpoint(addr[0], port)}{loopback_hint(addr[0])}"
                 continue
             sock.settimeout(None)
             tune(sock)
@@ -128,7 +137,12 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore serv
             return sock
         if deadline.expired():
             break
-        if attempts == 1 or attempts % 20 == 0:
+        if deadline.elapsed() >= warn_at:
+            log.warning("cannot reach %s %s after %s: %s; retrying until the deadline (%s left)", what,
+                        format_endpoint(host, port), format_duration(deadline.elapsed()), last_failure,
+                        format_duration(deadline.remaining()))
+            warn_at = deadline.elapsed() + WARN_EVERY_S
+        elif attempts == 1:
             log.info("waiting for %s %s: %s; retrying until the deadline (%s left)", what,
                      format_endpoint(host, port), last_failure, format_duration(deadline.remaining()))
         time.sleep(min(deadline.remaining(), delay * random.uniform(0.75, 1.25)))
@@ -140,6 +154,23 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore serv
         + (f"{host!r} resolved to {', '.join(addresses)}; " if addresses else f"{host!r} never resolved; ")
         + f"{attempts} attempts over {format_duration(deadline.elapsed())}."
     )
+
+
+def loopback_hint(address: str) -> str:
+    """`` (this container's own loopback: is MASTER_ADDR right?)`` for a loopback address, else "".
+
+    A loopback MASTER_ADDR is right only when every rank runs on this host; in a container (or
+    on one of several hosts) it names a place where no other rank's store can be.
+    """
+    try:
+        loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return ""
+    if not loopback:
+        return ""
+    container = os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv") or \
+        bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    return f" ({'this container' if container else 'this host'}'s own loopback: is MASTER_ADDR right?)"
 
 
 def describe_socket(sock: Optional[socket.socket]) -> str:

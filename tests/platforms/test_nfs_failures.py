@@ -1,0 +1,130 @@
+"""What users of a FileStore on NFS run into, on real NFS clients (VMs): a mount whose locks
+are local, a host powered off in the middle of a rendezvous, the file of a crashed run, and
+the NFS server restarted (a grace period) or down. Each must end in an error that names the
+culprit within the timeout, never a hang; guest/store_steps.py and guest/rendezvous.py are the
+guest sides, and markers on the VMs' own disks order the host's actions by their progress."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from .vm import VMError
+from .vm_nfs import GUEST_NFS, script, spawn_script, spawned_result, wait_for_marker
+
+# the first test also waits for the VM image (minutes, once per machine) and the boot
+pytestmark = [pytest.mark.containers, pytest.mark.vms, pytest.mark.timeout(1800)]
+
+LAN = {"GLOO_SOCKET_IFNAME": "eth1"}
+
+
+def test_a_v3_nolock_mount_is_refused_naming_the_mount(nfs_hosts):
+    mount = nfs_hosts.mounts["nfs3-nolock"]
+    path = f"{mount.path}/nolock-store"
+    got = script(nfs_hosts.clients[0], "store_steps.py", ["open", path], 120)
+    error = got.get("error", "")
+    assert error.startswith("DistStoreError: FileStore cannot safely use"), got
+    for part in (path, f"mount {mount.path}", "source srv:/export", "mount option 'nolock'",
+                 "Remount without 'nolock'"):
+        assert part in error, f"{part!r} missing from: {error}"
+
+
+def test_a_host_powered_off_mid_rendezvous_is_named_by_the_others(nfs_hosts):
+    """Ranks 0 (c1) and 2 (the spare) start; rank 1 (c2) is started too but holds back before
+    init_process_group. Once rank 2 has written its join record it is powered off (no goodbye
+    reaches anyone), and rank 1 goes. Ranks 0 and 1 must fail within their timeout, naming
+    rank 2 and the address it published."""
+    spare = nfs_hosts.spare()
+    c1, c2 = nfs_hosts.clients[:2]
+    directory = nfs_hosts.new_dir("nfs4.2", "poweroff")
+    url, timeout = f"file://{directory}/store", 25
+    c2.sh("rm -f /tmp/go").check()
+    results = {}
+
+    def rank(vm, r, env):
+        try:
+            results[r] = script(vm, "rendezvous.py", [str(timeout), url, str(r), "3"], 300, env)
+        except VMError as exc:  # rank 2: its VM is powered off under it
+            results[r] = {"vm": vm.name, "lost": str(exc)}
+
+    threads = [threading.Thread(target=rank, args=(c1, 0, LAN)), threading.Thread(target=rank, args=(spare, 2, LAN)),
+               threading.Thread(target=rank, args=(c2, 1, {**LAN, "RENDEZVOUS_AFTER": "/tmp/go"}))]
+    for t in threads:
+        t.start()
+    # rank 2's record is in its own view of the file (its flock unlock wrote it to the server);
+    # it cannot get further before rank 1 joins
+    spare.sh(f"until grep -a -q 'join/2' {directory}/store 2>/dev/null; do sleep 0.2; done", timeout=200).check()
+    spare.power_off()
+    c2.sh("touch /tmp/go").check()
+    for t in threads:
+        t.join()
+    assert "lost" in results[2], f"rank 2's VM was powered off, yet it answered: {results[2]}"
+    for r in (0, 1):
+        got = results[r]
+        error = got.get("error", "")
+        assert error, f"rank {r} on {got['vm']} did not fail: {got}"
+        assert f"ranks 2 ({spare.lan_address}:" in error, \
+            f"rank {r} does not name rank 2 and its address {spare.lan_address}: {error}"
+        assert got["seconds"] < timeout + 20, f"rank {r} took {got['seconds']:.0f} s for a {timeout} s timeout"
+
+
+def test_the_store_file_of_a_crashed_run_is_named_and_the_documented_way_out_works(nfs_hosts):
+    """A run killed on c1 leaves its store file; a new run on c2 is told so, with the files to
+    remove; after removing them (the way out the message gives) it joins a fresh store."""
+    c1, c2 = nfs_hosts.clients[:2]
+    path = f"{nfs_hosts.new_dir('ganesha-nfs4.1', 'crash')}/store"
+    crashed = c1.run(["python3", "/opt/src/tests/platforms/guest/store_steps.py", "crash", path], timeout=120)
+    assert crashed.rc == -9, f"the crashing run exited {crashed.rc}: {crashed.err[-1500:]}"
+    got = script(c2, "store_steps.py", ["rerun", path], 240)
+    first = got["first"]
+    assert first.startswith("DistStoreError: FileStore: store file " + path), got
+    assert "from an earlier run whose processes are gone" in first, first
+    assert got["removed"] == [path, path + ".distlib-live"], got
+    assert got["second"] == "joined" and got["old_keys_seen"] is False, got
+
+
+def test_a_wait_spanning_an_nfs_server_restart_ends_when_the_server_is_back(nfs_hosts):
+    """c1 waits for a key; the kernel server restarts (down 3 s, then a 10 s grace period);
+    c2 sets the key. The wait returns the value, and while c1's calls were blocked it said so,
+    naming the server."""
+    c1, c2 = nfs_hosts.clients[:2]
+    path = f"{nfs_hosts.new_dir('nfs4.2', 'restart')}/store"
+    c1.sh("rm -f /tmp/waiting").check()
+    waiter = {}
+    thread = threading.Thread(target=lambda: waiter.update(script(c1, "store_steps.py", ["wait", path, "after", "180"],
+                                                                  300)))
+    thread.start()
+    wait_for_marker(c1, "/tmp/waiting", 200)
+    nfs_hosts.server.run(["/bin/sh", GUEST_NFS, "server-restart", "3"], timeout=120).check()
+    setter = script(c2, "store_steps.py", ["set", path, "after", "180"], 300)
+    thread.join()
+    assert setter.get("ok"), setter
+    assert waiter.get("value") == "set after the restart", waiter
+    warned = [line for line in waiter["stderr"].splitlines() if line.startswith("WARNING")]
+    assert any("NFS server srv:/export (mount /mnt/nfs4.2, nfs4)" in line for line in warned), \
+        f"c1 never said it was waiting for the server: {waiter['stderr'][-2000:]}"
+
+
+def test_a_call_on_a_server_that_stays_down_gives_up_naming_the_server(nfs_hosts):
+    """nfsd stopped for good (until the test ends): c1's set must give up after its bound (6 s
+    here) with an error naming the server, not hang on the hard mount."""
+    c1 = nfs_hosts.clients[0]
+    path = f"{nfs_hosts.new_dir('nfs4.2', 'down')}/store"
+    c1.sh("rm -f /tmp/joined /tmp/go").check()
+    # in the background: once it has given up, its process cannot exit before the server is back
+    # (closing a file on a hard mount waits for the server)
+    label = spawn_script(c1, "store_steps.py", ["stalled", path, "6"])
+    wait_for_marker(c1, "/tmp/joined", 200)
+    nfs_hosts.server.sh("rpc.nfsd 0").check()
+    try:
+        c1.sh("touch /tmp/go").check()
+        got = spawned_result(c1, label, 120)
+    finally:
+        nfs_hosts.server.sh("rpc.nfsd 4").check()
+    error = got.get("error", "")
+    assert "got no answer from the file system for 6.0s" in error, got
+    assert "NFS server srv:/export (mount /mnt/nfs4.2, nfs4)" in error, error
+    assert got["seconds"] < 6 + 10, f"gave up after {got['seconds']:.1f} s for a 6 s bound"
+    assert "has waited" in got["stderr"] and "srv:/export" in got["stderr"], got["stderr"][-2000:]
