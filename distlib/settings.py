@@ -197,6 +197,12 @@ def container_image(env: Optional[Mapping[str, str]] = None) -> str:
     return text("DISTLIB_TEST_IMAGE", env=env)
 
 
+def cache_dir(env: Optional[Mapping[str, str]] = None) -> str:
+    """DISTLIB_CACHE: where the test lanes keep what they build once (VM images, the Kubernetes
+    build, the torch environment): default ~/.cache/distlib."""
+    return text("DISTLIB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "distlib"), env)
+
+
 def compose_v2(env: Optional[Mapping[str, str]] = None) -> str:
     """DISTLIB_COMPOSE_V2: a Compose v2 binary the cluster tests also use, or ""."""
     return text("DISTLIB_COMPOSE_V2", env=env)

@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
+from distlib import settings
+
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 BUILD_SCRIPT = HERE / "build-vm-image.sh"
-CACHE = Path(os.environ.get("DISTLIB_CACHE", Path.home() / ".cache" / "distlib"))
+CACHE = Path(settings.cache_dir())
 RUNS = CACHE / "vm-runs"
 MARKER = "distlib-test-vm"
 AGENT_PORT = 7000
