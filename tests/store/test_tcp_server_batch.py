@@ -16,7 +16,7 @@ import pytest
 from distlib.store.tcp import StoreServer
 from distlib.store.tcp import codec as proto
 from distlib.store.tcp.batch import FRAME_CACHE_SIZE, MIN_EVENTS, PARALLEL_MIN, SLICE, FanOut, frame_kind
-from distlib.store.tcp.server import CONN_EVENTS, Connection
+from distlib.store.tcp.connection import CONN_EVENTS, Connection
 
 EPOLLIN = select.EPOLLIN
 MAX_I64 = (1 << 63) - 1
