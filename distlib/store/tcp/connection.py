@@ -39,14 +39,15 @@ class Connection(Waiter):
     connections never need (``pending``, ``held``, ``inbuf``) are None until they do.
     """
 
-    __slots__ = ("sock", "fd", "peer", "inbuf", "need", "scan", "out", "refs", "pending",
-                 "pending_own", "validated", "held", "is_worker", "paused", "tls", "gate", "buffered")
+    __slots__ = ("sock", "fd", "peer", "host", "inbuf", "need", "scan", "out", "refs", "pending",
+                 "pending_own", "validated", "held", "is_worker", "paused", "tls", "gate", "buffered", "handshaking")
 
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, host: str = ""):
         super().__init__()
         self.sock = sock
         self.fd = sock.fileno()
         self.peer = peer
+        self.host = host or peer  # its address, without the port: what limits and the log count by
         self.inbuf: Optional[bytearray] = None  # the start of a request that has not fully arrived
         self.need = 0  # parse again once inbuf holds this many bytes (0: at once, it waited for output)
         self.scan: Optional[ManyScan] = None  # finds the end of a many-key request in inbuf
@@ -61,4 +62,5 @@ class Connection(Waiter):
         self.tls = False  # sock is a tls.TlsSocket
         self.gate: Optional[admission.Gate] = None  # on its way in (admission.py)
         self.buffered = 0  # bytes the server holds for it (the memory budget)
+        self.handshaking = False  # its TLS handshake runs on the handshake thread (tls_handshakes.py)
 

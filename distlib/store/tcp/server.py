@@ -71,18 +71,20 @@ from functools import partial
 from typing import Deque, Dict, List, Optional
 
 from ... import settings
+from ...refusals import RefusalLog
 from ...busy_poll import BusyPoll
 from ...net import bind_listener, bind_local_listener, raise_fd_limit, serves_loopback
 from . import batch, codec
 from .admission import Admission
-from .budget import MEMORY_BUDGET, MemoryBudget
-from .codec import MANY_KEY_OPS, STOP_WAITING, Limits, ManyScan, Op, ProtocolError
-from .connection import EPOLLIN, EPOLLIN_ERRS, EPOLLOUT, EPOLLRDHUP, IOV_MAX, Connection
+from .budget import MEMORY_BUDGET, ClientLimits, MemoryBudget
+from .codec import MANY_KEY_OPS, STOP_WAITING, U64, Limits, ManyScan, Op, ProtocolError
+from .connection import EPOLLIN, EPOLLIN_ERRS, EPOLLOUT, EPOLLRDHUP, Connection
 from .handlers import CloseConnection, Handlers
 from .intake import Intake
 from .security import StoreSecurity
 from .sending import ReplySender
 from .state import KeyValueState, StateError
+from .tls_handshakes import TlsHandshakes
 
 log = logging.getLogger("distlib.store.tcp.server")
 
@@ -102,6 +104,7 @@ SPIN_S = 200e-6
 
 _STOP = bytes([STOP_WAITING])
 _CANCEL_WAIT = int(Op.CANCEL_WAIT)
+_WAIT = int(Op.WAIT)
 #: What closes a connection: a malformed request, one the state refuses, a handler's verdict.
 _CLOSING = (ProtocolError, StateError, CloseConnection)
 
@@ -114,7 +117,8 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
 
     ``security``: the token and TLS every connection must go through; None reads them from
     the environment (``StoreSecurity.from_env``), so a process with ``DISTLIB_AUTH_TOKEN``
-    never serves without it. ``StoreSecurity()`` is an open server.
+    never serves without it. ``StoreSecurity()`` is an open server. ``memory_budget`` and
+    ``client_limits`` (budget.py) bound what its clients may make it hold.
     """
 
     def __init__(
@@ -127,8 +131,10 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
         batch_path: bool = True,
         security: Optional[StoreSecurity] = None,
         memory_budget: int = MEMORY_BUDGET,
+        client_limits: Optional[ClientLimits] = None,
     ):
         self.limits = limits or Limits()
+        self.client_limits = client_limits or ClientLimits()
         self.security = security if security is not None else StoreSecurity.from_env()
         self.admission = Admission(self.security.token, self.security.server_tls)
         self.memory_budget = memory_budget
@@ -143,15 +149,24 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
         self.local_listener: Optional[socket.socket] = None
         if settings.store_unix_socket() and serves_loopback(self.listener):
             self.local_listener = bind_local_listener(self.port)
-        self.state = KeyValueState(self._finish_wait, self.limits.max_value)
+        self.state = KeyValueState(self._finish_wait, self.limits.max_value,
+                                   self.client_limits.max_wait_keys_per_client, self.client_limits.max_wait_keys)
         self.conns: Dict[int, Connection] = {}
         self._admitting: Dict[int, Connection] = {}  # accepted, not admitted yet (admission.py)
+        self._hosts: Dict[str, int] = {}  # peer address -> its admitted connections
+        self._admitting_hosts: Dict[str, int] = {}  # peer address -> its connections on their way in
+        #: Refusals and closes for what a client sent, logged once per address per interval.
+        self.refusals = RefusalLog(log)
+        #: With ``log_connections``: clients' connections and disconnections, the same way.
+        self.connection_log = RefusalLog(log, noun="connections and disconnections")
+        #: The TLS handshake thread (tls_handshakes.py), while serving with TLS.
+        self.tls_handshakes: Optional[TlsHandshakes] = None
         self._admission_order: Deque[Connection] = collections.deque()  # by deadline
         self._dirty: List[Connection] = []  # connections with replies to send this turn
         self._resume: List[Connection] = []
         self._unread: List[Connection] = []
         self._listeners: Dict[int, socket.socket] = {}  # fd -> listening socket (serve_forever)
-        self._due: Optional[float] = None  # the next admission deadline or accept resumption
+        self._due: Optional[float] = None  # the next admission deadline, accept resumption or refusal count
         self._accept_paused_until = 0.0
         self._emfile_log_at = 0.0
         self._emfile_unlogged = 0
@@ -184,12 +199,16 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and close every connection; safe to call from any thread, twice."""
         self._stopping = True
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        """Wake the loop (from another thread: stop(), the TLS handshake thread)."""
         try:
             os.write(self._wake_w, b"x")
         except OSError:
-            pass
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            pass  # full (the loop will wake) or closed (stopped)
 
     @property
     def running(self) -> bool:
@@ -204,6 +223,8 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
         for fd in self._listeners:
             ep.register(fd, EPOLLIN)
         ep.register(self._wake_r, EPOLLIN)
+        if self.admission.tls_context is not None:
+            self.tls_handshakes = TlsHandshakes(self.admission, self._wake, f"distlib-store-tls:{self.port}")
         poll = ep.poll
         probe = partial(poll, 0)
         spin = self.busy_poll.spin
@@ -221,10 +242,14 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
                 if self._due is not None and clock() >= self._due:
                     self._timers(ep)
         finally:
+            if self.tls_handshakes is not None:
+                self.tls_handshakes.close()
             if self.batch is not None:
                 self.batch.close()
             for conn in list(self.conns.values()) + list(self._admitting.values()):
                 self._close(conn, ep, "server stopping", level=None)
+            self.refusals.flush(final=True)
+            self.connection_log.flush(final=True)
             ep.close()
             self.listener.close()
             if self.local_listener is not None:
@@ -268,6 +293,8 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
                     self._run_held(conn)
                 except _CLOSING as exc:
                     self._close(conn, ep, str(exc))
+        if self.buffered + self.state.wait_bytes > self.memory_budget:  # waits grew (budget.py)
+            self._evict(ep)
         if self._dirty:
             self._flush(ep)
 
@@ -293,7 +320,7 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
 
     def _on_other(self, fd: int, ev: int, ep) -> None:
         """An event on a connection being admitted, a listening socket (accept) or the wake-up
-        pipe (drain it)."""
+        pipe (drain it; take the connections whose TLS handshake is done)."""
         conn = self._admitting.get(fd)
         if conn is not None:
             self._advance(conn, ep, ev)
@@ -306,51 +333,8 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
                 os.read(fd, 4096)
             except OSError:
                 pass
-
-    def _close(self, conn: Connection, ep, reason: str, level: Optional[int] = logging.WARNING,
-               reply: bytes = b"") -> None:
-        """Close ``conn``; log ``reason`` at ``level`` (None: not at all; "disconnected": at
-        INFO when the server logs connections), then send (best effort) the replies its earlier
-        requests of this turn produced and ``reply``, and close: a bad request answers nothing,
-        and the good ones before it are answered however the bytes were cut into reads."""
-        if conn.closed:
-            return
-        conn.closed = True
-        parting = conn.out if conn.pending is None else []
-        if reply:
-            parting.append(reply)
-        conn.out = []  # nothing more to send (_flush skips it)
-        conn.inbuf = conn.held = conn.pending = conn.scan = None  # freed now, whoever still lists conn
-        self.state.cancel(conn)
-        self.conns.pop(conn.fd, None)
-        self._admitting.pop(conn.fd, None)
-        self.buffered -= conn.buffered
-        conn.buffered = 0
-        try:
-            ep.unregister(conn.fd)
-        except (OSError, ValueError):
-            pass
-        if level is not None:  # log first: the log line should exist by the time the client sees EOF
-            if reason == "disconnected" or level < logging.WARNING:
-                if self.log_connections:
-                    log.info("client %s %s (%d open)", conn.peer, reason, len(self.conns) + len(self._admitting))
-            else:
-                log.log(level, "closed connection of client %s: %s (%d open)", conn.peer, reason,
-                        len(self.conns) + len(self._admitting))
-        if parting and level is not None:
-            # Unread input would make close() send a reset, which can destroy what was sent
-            # before the peer reads it: drain what arrived (bounded), then send.
-            try:
-                for _ in range(4):
-                    if not conn.sock.recv(RECV_SIZE):
-                        break
-            except OSError:
-                pass
-            try:
-                conn.sock.sendmsg(parting[:IOV_MAX]) if len(parting) > 1 else conn.sock.send(parting[0])
-            except OSError:
-                pass
-        conn.sock.close()
+            if self.tls_handshakes is not None:
+                self._handshakes_done(ep)
 
     # -- reading and running ---------------------------------------------------------------------
 
@@ -432,6 +416,8 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
         except (StateError, CloseConnection) as exc:
             self._close(conn, ep, str(exc))
             return False
+        if conn.wait_count and self.buffered + self.state.wait_bytes > self.memory_budget:
+            self._evict(ep)  # a wait grew the state past the budget (budget.py)
         if conn.closed:
             return False
         if consumed < end:
@@ -474,6 +460,10 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
         if not conn.paused:
             conn.need -= consumed
             if rest[0] in MANY_KEY_OPS:  # its end is found by one pass over what arrives
+                if rest[0] == _WAIT and len(rest) >= 9 and U64.unpack_from(rest, 1)[0] > self.state.max_wait_keys:
+                    # over the cap: refused now, not after tens of megabytes of keys arrive
+                    self._close(conn, ep, str(self.state.too_many_keys(U64.unpack_from(rest, 1)[0])))
+                    return False
                 conn.scan = ManyScan(rest[0], self.limits)
                 try:
                     conn.need = -conn.scan.advance(rest, len(rest))
@@ -550,17 +540,20 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
 
 
 def serve(host: str, port: int, limits: Optional[Limits] = None, security: Optional[StoreSecurity] = None,
-          memory_budget: int = MEMORY_BUDGET) -> int:
+          memory_budget: int = MEMORY_BUDGET, client_limits: Optional[ClientLimits] = None) -> int:
     """Run the TCP master service in this thread until SIGTERM/SIGINT; return an exit code."""
     import signal
 
     server = StoreServer(host, port, limits=limits, log_connections=True, security=security,
-                         memory_budget=memory_budget)
+                         memory_budget=memory_budget, client_limits=client_limits)
     where = server.listener.getsockname()[0]
+    caps = server.client_limits
     log.info("distlib store-server listening on %s (port %d%s); %s; key limit %d bytes, value limit %d bytes, "
-             "memory budget %d bytes", "every interface" if where in ("::", "0.0.0.0") else where, server.port,
+             "memory budget %d bytes; at most %d connections, %d per address; a client waits for at most %d keys, "
+             "all for at most %d", "every interface" if where in ("::", "0.0.0.0") else where, server.port,
              ", same-host socket too" if server.local_listener is not None else "",
-             server.security.describe_server(), server.limits.max_key, server.limits.max_value, memory_budget)
+             server.security.describe_server(), server.limits.max_key, server.limits.max_value, memory_budget,
+             caps.max_connections, caps.max_connections_per_host, caps.max_wait_keys_per_client, caps.max_wait_keys)
 
     def on_signal(signum, _frame):
         log.info("received %s; shutting down", signal.Signals(signum).name)

@@ -22,6 +22,18 @@ stays acceptable to torch clients:
   barrier's key (the key now exists), not the barrier's own participants.
 * A key "exists" for check and wait when it holds a value or a non-empty queue (libuv's
   rule); a queue push releases one waiter, a write every waiter of the key.
+
+**What waits cost.** A wait makes the server hold state per key until the key appears: the
+key, its entry in ``waiters`` and the waiter's list of keys. Without a bound, a client could
+WAIT on 100,000 keys nobody sets from each of a few connections and grow the master by
+hundreds of megabytes (issue 28). So each wait is charged ``len(key) + WAIT_KEY_COST`` bytes
+per key it registers, and ``WAITED_KEY_COST`` more for each key it is the first to wait for
+(``Waiter.wait_cost``; ``wait_bytes`` is the sum over every waiter, and the server counts it
+against its one memory budget), a WAIT may name at most ``max_wait_keys`` keys (per
+connection: a connection has one wait at a time; the server refuses a larger one as soon as
+its count arrives), and the state waits for at most ``max_waiting_keys`` distinct keys in all;
+past either cap the WAIT is refused with a StateError (the server closes that connection and
+says why).
 """
 
 from __future__ import annotations
@@ -33,6 +45,18 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 from ..base import INT64_MAX, INT64_MIN, add_to_counter, compare_set_refusal, describe_key, wrap_int64
 from .codec import MAX_VALUE_BYTES
 
+#: Bytes each key a wait registers costs beyond the key's own: its bytes object's header and
+#: its slots in ``waiters[key]`` and in the waiter's key list ...
+WAIT_KEY_COST = 56
+#: ... and a key nobody waited for yet, its entry in ``waiters`` and its list (charged to the
+#: wait that adds it). tests/store/test_store_state.py checks both against tracemalloc.
+WAITED_KEY_COST = 128
+#: Keys one WAIT may leave missing (torch's default server takes 131072 keys per request; a
+#: job that waits for one key per rank waits for tens of thousands at most).
+MAX_WAIT_KEYS = 65536
+#: Distinct keys the state waits for, over every client.
+MAX_WAITING_KEYS = 1 << 20
+
 
 class StateError(ValueError):
     """A request the state refuses: ADD on a value that is not a number, an APPEND past
@@ -43,26 +67,32 @@ class StateError(ValueError):
 class Waiter:
     """A party that can wait for keys or a barrier: ``wait_count`` > 0 while it waits."""
 
-    __slots__ = ("wait_count", "wait_keys", "barrier_key", "closed")
+    __slots__ = ("wait_count", "wait_keys", "barrier_key", "closed", "wait_cost")
 
     def __init__(self) -> None:
         self.wait_count = 0  # keys (or 1 for a barrier) still missing
         self.wait_keys: Sequence[bytes] = ()
         self.barrier_key: Optional[bytes] = None
         self.closed = False  # a closed waiter is never released
+        self.wait_cost = 0  # what its wait holds, in bytes (KeyValueState.wait_bytes)
 
 
 class KeyValueState:
     """The store's contents and waits. ``data`` may be read directly (the server's GET and
     LIST_KEYS do); every change goes through a method, which wakes the waiters it should."""
 
-    def __init__(self, on_release: Callable[[Waiter], None], max_value: int = MAX_VALUE_BYTES):
+    def __init__(self, on_release: Callable[[Waiter], None], max_value: int = MAX_VALUE_BYTES,
+                 max_wait_keys: int = MAX_WAIT_KEYS, max_waiting_keys: int = MAX_WAITING_KEYS):
         self.on_release = on_release
         self.max_value = max_value
+        self.max_wait_keys = max_wait_keys
+        self.max_waiting_keys = max_waiting_keys
         self.data: Dict[bytes, bytes] = {}
         self.queues: Dict[bytes, Deque[bytes]] = {}
         self.waiters: Dict[bytes, List[Waiter]] = {}
         self.barrier_waiters: Dict[bytes, List[Waiter]] = {}
+        #: What every pending wait holds, in bytes (the sum of the waiters' ``wait_cost``).
+        self.wait_bytes = 0
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -201,24 +231,51 @@ class KeyValueState:
                 return True
             waiting = waiters.get(key)
             if waiting is None:
+                if len(waiters) >= self.max_waiting_keys:
+                    raise self._too_many_waiting(1)
                 waiters[key] = [waiter]
+                cost = len(key) + WAIT_KEY_COST + WAITED_KEY_COST
             else:
                 waiting.append(waiter)
+                cost = len(key) + WAIT_KEY_COST
             waiter.wait_keys = keys
             waiter.wait_count = 1
+            waiter.wait_cost = cost
+            self.wait_bytes += cost
             return False
+        if len(keys) > self.max_wait_keys:
+            raise self.too_many_keys(len(keys))
         missing = [k for k in keys if k not in data and not queues.get(k)]
         if not missing:
             return True
+        if len(waiters) + len(missing) > self.max_waiting_keys:  # (exact only when all are new)
+            new = sum([k not in waiters for k in missing])
+            if len(waiters) + new > self.max_waiting_keys:
+                raise self._too_many_waiting(new)
+        new = 0
         for key in missing:
             waiting = waiters.get(key)
             if waiting is None:
                 waiters[key] = [waiter]
+                new += 1
             else:
                 waiting.append(waiter)
         waiter.wait_keys = missing
         waiter.wait_count = len(missing)
+        waiter.wait_cost = cost = sum(map(len, missing)) + WAIT_KEY_COST * len(missing) + WAITED_KEY_COST * new
+        self.wait_bytes += cost
         return False
+
+    def too_many_keys(self, count: int) -> StateError:
+        """The refusal of a WAIT that names more than ``max_wait_keys`` keys."""
+        return StateError(f"WAIT on {count} keys: one client may wait for at most {self.max_wait_keys} keys at once "
+                          f"(--max-wait-keys-per-client)")
+
+    def _too_many_waiting(self, more: int) -> StateError:
+        return StateError(
+            f"WAIT on {more} more missing key{'s' if more != 1 else ''}: the server already waits for "
+            f"{len(self.waiters)} distinct keys for its clients, and waits for at most {self.max_waiting_keys} "
+            f"(--max-wait-keys)")
 
     def barrier(self, waiter: Waiter, key: bytes, world_size: int) -> bool:
         """BARRIER: counter ``key`` += 1 (ADD's rules). True when that fills the barrier (its
@@ -230,9 +287,20 @@ class KeyValueState:
                     other.wait_count = 0
                     self._release(other)
             return True
-        self.barrier_waiters.setdefault(key, []).append(waiter)
+        if key not in self.barrier_waiters and len(self.barrier_waiters) >= self.max_waiting_keys:
+            raise StateError(f"BARRIER on a new key: the server already holds {len(self.barrier_waiters)} barriers "
+                             f"for its clients, and at most {self.max_waiting_keys} (--max-wait-keys)")
+        waiting = self.barrier_waiters.get(key)
+        if waiting is None:
+            self.barrier_waiters[key] = [waiter]
+            cost = len(key) + WAIT_KEY_COST + WAITED_KEY_COST
+        else:
+            waiting.append(waiter)
+            cost = len(key) + WAIT_KEY_COST
         waiter.barrier_key = key
         waiter.wait_count = 1
+        waiter.wait_cost = cost
+        self.wait_bytes += cost
         return False
 
     def cancel(self, waiter: Waiter) -> None:
@@ -244,6 +312,8 @@ class KeyValueState:
         waiter.wait_keys = ()
         waiter.barrier_key = None
         waiter.wait_count = 0
+        self.wait_bytes -= waiter.wait_cost
+        waiter.wait_cost = 0
 
     def _wake(self, key: bytes) -> None:
         """``key`` now exists: count it off every wait on it; release the complete ones
@@ -252,6 +322,7 @@ class KeyValueState:
         if not waiting:
             return
         on_release = self.on_release
+        freed = 0
         for waiter in waiting:
             if waiter.closed or not waiter.wait_count:
                 continue
@@ -259,7 +330,10 @@ class KeyValueState:
             if waiter.wait_count == 0:
                 waiter.wait_keys = ()
                 waiter.barrier_key = None
+                freed += waiter.wait_cost
+                waiter.wait_cost = 0
                 on_release(waiter)
+        self.wait_bytes -= freed
 
     def _wake_one(self, key: bytes) -> None:
         """A queue push: count it off waits on ``key`` in order until one completes."""
@@ -278,6 +352,8 @@ class KeyValueState:
     def _release(self, waiter: Waiter) -> None:
         waiter.wait_keys = ()
         waiter.barrier_key = None
+        self.wait_bytes -= waiter.wait_cost
+        waiter.wait_cost = 0
         self.on_release(waiter)
 
 
