@@ -24,12 +24,14 @@ system call becomes a DistStoreError naming the file, the operation and the errn
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import DistStoreError
+from ..exposure import symlink_refusal
 from . import file_log
 from .base import add_to_counter, compare_set_refusal
 from .file_locks import LOCK_EX, LOCK_SH, lock, os_error, unlock_close
@@ -132,6 +134,7 @@ class LogFile:
         "closed",
         "chunk",
         "lock_wait_s",
+        "nofollow",
     )
 
     def __init__(self, path: str, world_size: int, lock_wait_s: float) -> None:
@@ -148,16 +151,24 @@ class LogFile:
         self.closed = False
         self.chunk = _READ_CHUNK
         self.lock_wait_s = lock_wait_s
+        #: O_NOFOLLOW when the file's directory is writable by every user (set at join:
+        #: exposure.check_store_path), else 0; added to every open of the path.
+        self.nofollow = 0
 
     # -- opening and locking -------------------------------------------------------------------
 
     def _open(self, flags: int) -> int:
         try:
-            return os.open(self.path, flags, _FILE_MODE)
-        except FileNotFoundError:
-            raise self._vanished_error() from None
+            return os.open(self.path, flags | self.nofollow, _FILE_MODE)
         except OSError as exc:
-            raise os_error(exc, self.path, _OPENING[flags]) from exc
+            raise self._open_error(exc, flags) from None
+
+    def _open_error(self, exc: OSError, flags: int) -> DistStoreError:
+        if isinstance(exc, FileNotFoundError):
+            return self._vanished_error()
+        if exc.errno == errno.ELOOP and self.nofollow:
+            return DistStoreError(symlink_refusal(self.path))
+        return os_error(exc, self.path, _OPENING[flags])
 
     def _vanished_error(self) -> DistStoreError:
         directory = os.path.dirname(self.path)
@@ -183,11 +194,9 @@ class LogFile:
         of every operation, hence one method doing the three steps (each a few syscalls).
         """
         try:
-            fd = os.open(self.path, flags, _FILE_MODE)
-        except FileNotFoundError:
-            raise self._vanished_error() from None
+            fd = os.open(self.path, flags | self.nofollow, _FILE_MODE)
         except OSError as exc:
-            raise os_error(exc, self.path, _OPENING[flags]) from exc
+            raise self._open_error(exc, flags) from None
         try:  # _catch_up, inlined: this is every operation's read
             lock(fd, op, self.path, self.lock_wait_s)
             tail = self.tail

@@ -19,6 +19,7 @@ import stat
 
 from ..deadline import Deadline, format_duration
 from ..errors import DistStoreError
+from ..exposure import check_store_path
 from . import file_log
 from .file_io import _OPENING, _READ_MAX, _RW_FLAGS, _WR_FLAGS, LogFile
 from .file_locks import LOCK_EX, describe_kind, lock, os_error, unlink, unlock_close
@@ -42,12 +43,13 @@ class JoinedFile(LogFile):
         All under the file's LOCK_EX, so joiners and closers of every process (torch's too)
         are serialised: the stale check and the refcount see a settled file.
         """
+        self.nofollow = check_store_path(self.path)  # warnings (once), O_NOFOLLOW in a world-writable directory
         with self.shared.mutex:
             fd = self._open_locked_for_join()
             try:
                 self._catch_up(fd)
                 stale = (lambda users: self._stale_error(fd, users)) if self.offset > 0 else None
-                self.liveness.join(stale, self.lock_wait_s)
+                self.liveness.join(stale, self.lock_wait_s, self.nofollow)
                 try:
                     self._add_locked(fd, _REFCOUNT, 1, "refcount/")
                 except BaseException:
@@ -152,7 +154,7 @@ class JoinedFile(LogFile):
 
     def _close_locked(self) -> None:
         try:
-            fd = os.open(self.path, _RW_FLAGS)
+            fd = os.open(self.path, _RW_FLAGS | self.nofollow)
         except FileNotFoundError:
             return
         except OSError as exc:

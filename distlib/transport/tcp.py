@@ -51,6 +51,7 @@ from .. import auth
 from ..busy_poll import BusyPoll
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError, DistNetworkError
+from ..exposure import warn_open_listener
 from ..net import classify, tune
 from ..net import format_endpoint as endpoint
 from . import frames
@@ -272,6 +273,7 @@ class Mesh:
                     rcvbuf: Sequence[int] = ()) -> None:
         """Connect to every lower rank, accept every higher one, start the progress thread.
         ``rcvbuf[peer]``, where given and > 0, fixes that connection's SO_RCVBUF."""
+        warn_open_listener("this rank's gloo mesh", self.listener, self.token)  # once per process (exposure.py)
         hello = frames.pack(HELLO, 0, 0, 0, 0, 0, 0, frames.HELLO_PAYLOAD.size) + \
             frames.HELLO_PAYLOAD.pack(self.rank, self.mesh_id)
         for peer in range(self.rank):

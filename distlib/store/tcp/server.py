@@ -73,6 +73,7 @@ from typing import Deque, Dict, List, Optional
 from ... import settings
 from ...refusals import RefusalLog
 from ...busy_poll import BusyPoll
+from ...exposure import warn_open_listener
 from ...net import bind_listener, bind_local_listener, raise_fd_limit, serves_loopback
 from . import batch, codec
 from .admission import Admission
@@ -144,6 +145,7 @@ class StoreServer(Intake, ReplySender, MemoryBudget):
         self.listener = listen_sock if listen_sock is not None else bind_listener(host, port)
         self.listener.setblocking(False)
         self.port: int = self.listener.getsockname()[1]
+        warn_open_listener("the store", self.listener, self.security.token)
         # Same-host distlib clients come in through this UNIX socket (client.py, "same-host
         # transport"): the same protocol, at a third of the kernel's cost per request.
         self.local_listener: Optional[socket.socket] = None
