@@ -199,7 +199,7 @@ class Intake:
         _count(self._hosts, conn.host, 1)
         conn.validated = True
         self.conns[conn.fd] = conn
-        if self.log_connections:
+        if self.log_connections and log.isEnabledFor(logging.INFO):
             self._log_refusal(conn.host, f"client {conn.peer} connected ({len(self.conns)} open)", "connected",
                               logging.INFO, self.connection_log)
         if conn.tls and conn.pending is None:
@@ -300,7 +300,7 @@ class Intake:
             pass
         if level is not None:  # log first: the log line should exist by the time the client sees EOF
             if reason == "disconnected" or level < logging.WARNING:
-                if not self.log_connections:
+                if not self.log_connections or not log.isEnabledFor(logging.INFO):
                     pass
                 elif conn.validated:
                     self._log_refusal(conn.host, f"client {conn.peer} {reason} ({len(self.conns)} open)", reason,
