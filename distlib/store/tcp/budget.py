@@ -4,7 +4,7 @@ and the connections closed, largest first, when the total passes it.
 Counted: unsent replies (the server's own bytes; stored values sent by reference are the
 store's memory, not the client's), requests that have not fully arrived, requests queued
 behind a wait (``Connection.buffered``), and what each pending WAIT or BARRIER holds per key
-(``Waiter.wait_cost``, summed by the state as ``wait_bytes``: state.py). Past
+(the state's ``wait_bytes``; a connection's share is ``state.cost_of(conn)``: state.py). Past
 ``memory_budget`` the connections holding the most are closed, largest first, with a log line
 each (as Redis evicts clients past ``maxmemory-clients``).
 
@@ -55,9 +55,6 @@ class ClientLimits:
         self.max_wait_keys = max_wait_keys
 
 
-def _holding(conn: Connection) -> int:
-    return conn.buffered + conn.wait_cost
-
 
 class MemoryBudget:
     """Charging connections and evicting the largest (a base class of ``StoreServer``)."""
@@ -73,14 +70,16 @@ class MemoryBudget:
     def _evict(self, ep) -> None:
         """Over the budget: close the connections holding the most until under it again."""
         state = self.state
-        holders = sorted((c for c in self.conns.values() if c.buffered or c.wait_cost), key=_holding, reverse=True)
-        for conn in holders:
+        holding = {conn: conn.buffered + state.cost_of(conn) for conn in self.conns.values()
+                   if conn.buffered or conn.wait_count}
+        for conn in sorted(holding, key=holding.get, reverse=True):
             held_now = self.buffered + state.wait_bytes
             if held_now <= self.memory_budget:
                 return
             held = sum(map(len, conn.held or ()))
             partial = len(conn.inbuf) if conn.inbuf is not None else 0
-            waiting = f", {conn.wait_cost} for the {conn.wait_count} keys it waits for" if conn.wait_cost else ""
+            cost = state.cost_of(conn)
+            waiting = f", about {cost} for the {conn.wait_count} keys it waits for" if cost else ""
             self._close(conn, ep, (
                 f"evicted: the server holds {held_now} bytes for its clients, over its memory budget of "
                 f"{self.memory_budget} (--memory-budget-mb), and this client the most: {conn.pending_own} bytes of "

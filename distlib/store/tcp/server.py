@@ -4,13 +4,12 @@ Used in two ways: ``TCPStore(is_master=True)`` runs it on a daemon thread (as to
 server thread), and ``distlib store-server`` runs it as the standalone TCP master service
 that any number of jobs share.
 
-This module is the event loop and reading and running requests. What a
-request does is handlers.py (decode with codec.py, run on the state of state.py, queue the
-reply); who gets in (same-user check, TLS, the token, VALIDATE, the time allowed) is
-admission.py, driven by intake.py (accept, deadlines); replies go out through sending.py; the
-budget is budget.py; a connection's fields are connection.py; the barrier's shape has its own
-path, batch.py.
-Design, and why:
+This module is the event loop, reading and running requests. What a request does is
+handlers.py (decode with codec.py, run on the state of state.py, queue the reply); who gets in
+(same-user check, TLS, the token, VALIDATE, the time allowed, the limits on connections) is
+admission.py, driven by intake.py, with TLS handshakes on tls_handshakes.py's thread; replies
+go out through sending.py; the memory budget is budget.py; a connection's fields are
+connection.py; the barrier's shape has its own path, batch.py. Design, and why:
 
 * **One thread, non-blocking sockets, epoll** (the batch path adds helper threads that only
   send a large turn's replies). Every connection has its own input buffer and its own
@@ -71,10 +70,10 @@ from functools import partial
 from typing import Deque, Dict, List, Optional
 
 from ... import settings
-from ...refusals import RefusalLog
 from ...busy_poll import BusyPoll
 from ...exposure import warn_open_listener
 from ...net import bind_listener, bind_local_listener, raise_fd_limit, serves_loopback
+from ...refusals import RefusalLog
 from . import batch, codec
 from .admission import Admission
 from .budget import MEMORY_BUDGET, ClientLimits, MemoryBudget

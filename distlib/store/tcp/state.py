@@ -26,10 +26,12 @@ stays acceptable to torch clients:
 **What waits cost.** A wait makes the server hold state per key until the key appears: the
 key, its entry in ``waiters`` and the waiter's list of keys. Without a bound, a client could
 WAIT on 100,000 keys nobody sets from each of a few connections and grow the master by
-hundreds of megabytes (issue 28). So each wait is charged ``len(key) + WAIT_KEY_COST`` bytes
-per key it registers, and ``WAITED_KEY_COST`` more for each key it is the first to wait for
-(``Waiter.wait_cost``; ``wait_bytes`` is the sum over every waiter, and the server counts it
-against its one memory budget), a WAIT may name at most ``max_wait_keys`` keys (per
+hundreds of megabytes (issue 28). So ``wait_bytes`` counts ``len(key) + WAIT_KEY_COST`` bytes
+for each key a wait registers, and ``WAITED_KEY_COST`` more for each key waited for at all
+(the server counts it against its one memory budget; ``cost_of(waiter)`` is one waiter's
+share, for eviction). A key's registrations are given back together when the key appears (one
+subtraction for a barrier's thousands of waiters), a waiter's when it is cancelled. A WAIT
+may name at most ``max_wait_keys`` keys (per
 connection: a connection has one wait at a time; the server refuses a larger one as soon as
 its count arrives), and the state waits for at most ``max_waiting_keys`` distinct keys in all;
 past either cap the WAIT is refused with a StateError (the server closes that connection and
@@ -67,14 +69,13 @@ class StateError(ValueError):
 class Waiter:
     """A party that can wait for keys or a barrier: ``wait_count`` > 0 while it waits."""
 
-    __slots__ = ("wait_count", "wait_keys", "barrier_key", "closed", "wait_cost")
+    __slots__ = ("wait_count", "wait_keys", "barrier_key", "closed")
 
     def __init__(self) -> None:
         self.wait_count = 0  # keys (or 1 for a barrier) still missing
         self.wait_keys: Sequence[bytes] = ()
         self.barrier_key: Optional[bytes] = None
         self.closed = False  # a closed waiter is never released
-        self.wait_cost = 0  # what its wait holds, in bytes (KeyValueState.wait_bytes)
 
 
 class KeyValueState:
@@ -91,7 +92,7 @@ class KeyValueState:
         self.queues: Dict[bytes, Deque[bytes]] = {}
         self.waiters: Dict[bytes, List[Waiter]] = {}
         self.barrier_waiters: Dict[bytes, List[Waiter]] = {}
-        #: What every pending wait holds, in bytes (the sum of the waiters' ``wait_cost``).
+        #: What every pending wait holds, in bytes (see "What waits cost" above).
         self.wait_bytes = 0
 
     # -- reading -----------------------------------------------------------------------------------
@@ -234,14 +235,12 @@ class KeyValueState:
                 if len(waiters) >= self.max_waiting_keys:
                     raise self._too_many_waiting(1)
                 waiters[key] = [waiter]
-                cost = len(key) + WAIT_KEY_COST + WAITED_KEY_COST
+                self.wait_bytes += len(key) + (WAIT_KEY_COST + WAITED_KEY_COST)
             else:
                 waiting.append(waiter)
-                cost = len(key) + WAIT_KEY_COST
+                self.wait_bytes += len(key) + WAIT_KEY_COST
             waiter.wait_keys = keys
             waiter.wait_count = 1
-            waiter.wait_cost = cost
-            self.wait_bytes += cost
             return False
         if len(keys) > self.max_wait_keys:
             raise self.too_many_keys(len(keys))
@@ -262,9 +261,39 @@ class KeyValueState:
                 waiting.append(waiter)
         waiter.wait_keys = missing
         waiter.wait_count = len(missing)
-        waiter.wait_cost = cost = sum(map(len, missing)) + WAIT_KEY_COST * len(missing) + WAITED_KEY_COST * new
-        self.wait_bytes += cost
+        self.wait_bytes += sum(map(len, missing)) + WAIT_KEY_COST * len(missing) + WAITED_KEY_COST * new
         return False
+
+    def cost_of(self, waiter: Waiter) -> int:
+        """About what ``waiter``'s pending wait holds, in bytes (the keys it still misses, at
+        the mean length of those it asked for): which connection to evict first."""
+        count = waiter.wait_count
+        if not count:
+            return 0
+        keys = waiter.wait_keys or (waiter.barrier_key or b"",)
+        return count * (sum(map(len, keys)) // len(keys) + WAIT_KEY_COST)
+
+    def wait_all(self, waiters: Sequence[Waiter], key: bytes) -> bool:
+        """``wait(w, [key])`` for each of ``waiters`` at once (a barrier's ranks, one turn's
+        WAITs on its key; batch.py): True when the key is present now (none of them waits),
+        else they all wait for it. The caller checks ``may_wait_for(key)`` first."""
+        if key in self.data or self.queues.get(key):
+            return True
+        waiting = self.waiters.get(key)
+        if waiting is None:
+            waiting = self.waiters[key] = []
+            self.wait_bytes += WAITED_KEY_COST
+        waiting += waiters
+        self.wait_bytes += len(waiters) * (len(key) + WAIT_KEY_COST)
+        keys = (key,)
+        for waiter in waiters:
+            waiter.wait_keys = keys
+            waiter.wait_count = 1
+        return False
+
+    def may_wait_for(self, key: bytes) -> bool:
+        """Whether a new wait on ``key`` stays within ``max_waiting_keys``."""
+        return key in self.waiters or len(self.waiters) < self.max_waiting_keys
 
     def too_many_keys(self, count: int) -> StateError:
         """The refusal of a WAIT that names more than ``max_wait_keys`` keys."""
@@ -282,10 +311,13 @@ class KeyValueState:
         earlier participants are released); else ``waiter`` waits for the rest and False."""
         count = self.add(key, 1, "BARRIER")
         if count >= world_size:
-            for other in self.barrier_waiters.pop(key, ()):
-                if not other.closed and other.wait_count:
-                    other.wait_count = 0
-                    self._release(other)
+            released = self.barrier_waiters.pop(key, None)
+            if released:
+                self.wait_bytes -= len(released) * (len(key) + WAIT_KEY_COST) + WAITED_KEY_COST
+                for other in released:
+                    if not other.closed and other.wait_count:
+                        other.wait_count = 0
+                        self._release(other)
             return True
         if key not in self.barrier_waiters and len(self.barrier_waiters) >= self.max_waiting_keys:
             raise StateError(f"BARRIER on a new key: the server already holds {len(self.barrier_waiters)} barriers "
@@ -293,27 +325,25 @@ class KeyValueState:
         waiting = self.barrier_waiters.get(key)
         if waiting is None:
             self.barrier_waiters[key] = [waiter]
-            cost = len(key) + WAIT_KEY_COST + WAITED_KEY_COST
+            self.wait_bytes += len(key) + (WAIT_KEY_COST + WAITED_KEY_COST)
         else:
             waiting.append(waiter)
-            cost = len(key) + WAIT_KEY_COST
+            self.wait_bytes += len(key) + WAIT_KEY_COST
         waiter.barrier_key = key
         waiter.wait_count = 1
-        waiter.wait_cost = cost
-        self.wait_bytes += cost
         return False
 
     def cancel(self, waiter: Waiter) -> None:
         """Forget every wait of ``waiter`` (CANCEL_WAIT, or its connection closed)."""
+        freed = 0
         for key in waiter.wait_keys:
-            _unregister(self.waiters, key, waiter)
+            freed += _unregister(self.waiters, key, waiter)
         if waiter.barrier_key is not None:
-            _unregister(self.barrier_waiters, waiter.barrier_key, waiter)
+            freed += _unregister(self.barrier_waiters, waiter.barrier_key, waiter)
+        self.wait_bytes -= freed
         waiter.wait_keys = ()
         waiter.barrier_key = None
         waiter.wait_count = 0
-        self.wait_bytes -= waiter.wait_cost
-        waiter.wait_cost = 0
 
     def _wake(self, key: bytes) -> None:
         """``key`` now exists: count it off every wait on it; release the complete ones
@@ -321,8 +351,8 @@ class KeyValueState:
         waiting = self.waiters.pop(key, None)
         if not waiting:
             return
+        self.wait_bytes -= len(waiting) * (len(key) + WAIT_KEY_COST) + WAITED_KEY_COST
         on_release = self.on_release
-        freed = 0
         for waiter in waiting:
             if waiter.closed or not waiter.wait_count:
                 continue
@@ -330,30 +360,26 @@ class KeyValueState:
             if waiter.wait_count == 0:
                 waiter.wait_keys = ()
                 waiter.barrier_key = None
-                freed += waiter.wait_cost
-                waiter.wait_cost = 0
                 on_release(waiter)
-        self.wait_bytes -= freed
 
     def _wake_one(self, key: bytes) -> None:
         """A queue push: count it off waits on ``key`` in order until one completes."""
         waiting = self.waiters.get(key)
         while waiting:
             waiter = waiting.pop(0)
+            self.wait_bytes -= len(key) + WAIT_KEY_COST
             if waiter.closed or not waiter.wait_count:
                 continue
             waiter.wait_count -= 1
             if waiter.wait_count == 0:
                 self._release(waiter)
                 break
-        if not waiting:
-            self.waiters.pop(key, None)
+        if not waiting and self.waiters.pop(key, None) is not None:
+            self.wait_bytes -= WAITED_KEY_COST
 
     def _release(self, waiter: Waiter) -> None:
         waiter.wait_keys = ()
         waiter.barrier_key = None
-        self.wait_bytes -= waiter.wait_cost
-        waiter.wait_cost = 0
         self.on_release(waiter)
 
 
@@ -361,13 +387,17 @@ def _not_a_counter(what: str, key: bytes, exc: Exception) -> StateError:
     return StateError(f"{what} on key {describe_key(key)}: {exc}")
 
 
-def _unregister(registry: Dict[bytes, List[Waiter]], key: bytes, waiter: Waiter) -> None:
-    """Take ``waiter`` off ``registry[key]`` (once), and the key off when none is left."""
+def _unregister(registry: Dict[bytes, List[Waiter]], key: bytes, waiter: Waiter) -> int:
+    """Take ``waiter`` off ``registry[key]`` (once), and the key off when none is left; the
+    bytes that frees (``wait_bytes``' share of it)."""
     waiting = registry.get(key)
-    if waiting is not None:
-        try:
-            waiting.remove(waiter)
-        except ValueError:
-            pass
-        if not waiting:
-            del registry[key]
+    if waiting is None:
+        return 0
+    try:
+        waiting.remove(waiter)
+    except ValueError:
+        return 0
+    if waiting:
+        return len(key) + WAIT_KEY_COST
+    del registry[key]
+    return len(key) + WAIT_KEY_COST + WAITED_KEY_COST
