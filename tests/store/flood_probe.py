@@ -13,6 +13,10 @@ with ``python -m tests.store.flood_probe [wait|refusals|tls|all]`` for docs/secu
   server with TLS and the token: their rate, and a good client's get p50/p99 and connect,
   idle and during the flood.
 
+``--pin`` puts the attackers on the second CPU and the server and the good client on the first
+(as if the attackers ran on other hosts): on a small machine, attackers on the server's CPUs
+measure the CPUs' contention more than the server.
+
 Only loopback traffic; every server and socket is closed at the end.
 """
 
@@ -37,6 +41,13 @@ from distlib.store.tcp import codec as proto
 from distlib.store.tcp.security import StoreSecurity
 
 MiB = 1024 * 1024
+#: CPUs of (the server and the good client, the attackers) with ``--pin``; None: no pinning.
+PIN: Optional[tuple] = None
+
+
+def _pin(which: int) -> None:
+    if PIN is not None:
+        os.sched_setaffinity(0, PIN[which])
 TOKEN = "flood-probe-token-0123456789abcdef"
 HELLO = proto.validate() + proto.ping(1234)
 
@@ -71,7 +82,7 @@ class Server:
         env = dict(os.environ, DISTLIB_STORE_UNIX="0")
         env.pop("DISTLIB_AUTH_TOKEN", None)
         env.pop("DISTLIB_AUTH_TOKEN_FILE", None)
-        self.proc = subprocess.Popen(cmd, stderr=self.log_file, env=env)
+        self.proc = subprocess.Popen(cmd, stderr=self.log_file, env=env, preexec_fn=lambda: _pin(0))
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -195,6 +206,7 @@ def summary(gets: List[float], connects: List[float]) -> Dict[str, float]:
 def _wait_attacker(port: int, keys: int, key_bytes: int, at_once: int, seconds: float, sent, ready) -> None:
     """For ``seconds``: ``at_once`` connections each send one WAIT on ``keys`` missing keys, then
     are closed, and again (its own process: building requests holds a process's GIL)."""
+    _pin(1)
     requests = [wait_request(keys, key_bytes, 1000 + i) for i in range(at_once)]
     ready.set()
     end = time.monotonic() + seconds
@@ -337,6 +349,7 @@ def refusal_flood(workdir: Path, conns: int = 20_000, threads: int = 2) -> Dict[
 
 def _tls_attacker(port: int, ca: str, halt, done) -> None:
     """TLS handshakes to the store at ``port`` until ``halt``, each left at the token's challenge."""
+    _pin(1)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.load_verify_locations(ca)
     while not halt.is_set():
@@ -384,6 +397,11 @@ def tls_flood(workdir: Path, pki: Dict[str, str], seconds: float = 5.0, processe
 
 
 def main(argv: List[str]) -> int:
+    global PIN
+    if "--pin" in argv:
+        argv = [a for a in argv if a != "--pin"]
+        PIN = ({0}, {1})
+        _pin(0)
     which = argv[0] if argv else "all"
     out: Dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="distlib-flood-") as tmp:
