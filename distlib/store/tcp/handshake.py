@@ -118,9 +118,11 @@ def open_connection(host: str, port: int, deadline: Deadline, security: StoreSec
         except (OSError, DistNetworkError) as exc:
             _close(sock)
             if deadline.expired():
+                closed = isinstance(exc, (ConnectionResetError, BrokenPipeError))  # (closed as we sent)
                 raise DistNetworkError(
                     f"The client socket has timed out after {int(deadline.seconds * 1000)}ms while trying "
-                    f"to connect to ({host}, {port}): connected, but the handshake failed: {exc}") from exc
+                    f"to connect to ({host}, {port}): connected, but the handshake failed: {exc}"
+                    f"{_closed_hint(b'') if closed else ''}") from exc
             time.sleep(min(0.05, deadline.remaining()))
 
 
