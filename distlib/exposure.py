@@ -113,8 +113,8 @@ def token_file_problem(st: os.stat_result, euid: Optional[int] = None) -> Option
         return None
     if st.st_uid == 0:
         if mode & 0o027:
-            return (f"it is owned by root and {'readable or writable by others' if mode & 0o007 else 'writable by its group'} "
-                    f"(mode {mode:04o}): make it 0440 or 0400")
+            how = "readable or writable by others" if mode & 0o007 else "writable by its group"
+            return f"it is owned by root and {how} (mode {mode:04o}): make it 0440 or 0400"
         return None
     return (f"it is owned by {_owner(st.st_uid)}, not by this process's user ({_owner(euid)}): that user can "
             f"change or read the token; give the file to this user (chown) with mode 600")
