@@ -41,10 +41,14 @@ def _security(args: argparse.Namespace):
 def _store_server(args: argparse.Namespace) -> int:
     from .tools import command
 
+    from .store.tcp.budget import ClientLimits
+
     try:
         security = _security(args)
         if not args.ping:
             security.server_tls  # load the certificate now: a bad file is a start-up error
+        client_limits = ClientLimits(args.max_connections, args.max_connections_per_host,
+                                     args.max_wait_keys_per_client, args.max_wait_keys)
     except ValueError as exc:
         print(f"distlib store-server: {exc}", file=sys.stderr)
         return 2
@@ -55,7 +59,7 @@ def _store_server(args: argparse.Namespace) -> int:
     from .store.tcp.server import serve
 
     return serve(args.host, args.port, Limits(max_key=args.max_key_bytes, max_value=args.max_value_bytes),
-                 security=security, memory_budget=args.memory_budget_mb * 1024 * 1024)
+                 security=security, memory_budget=args.memory_budget_mb * 1024 * 1024, client_limits=client_limits)
 
 
 def _ping(endpoint: str, timeout: float, security) -> int:
@@ -99,6 +103,7 @@ def _tool(name: str, rest: List[str], level: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .store.tcp import codec
+    from .store.tcp import budget
     from .store.tcp.server import MEMORY_BUDGET
 
     parser = argparse.ArgumentParser(prog="distlib", description=__doc__.splitlines()[0])
@@ -129,8 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tls-ca", metavar="PEM", help="with --ping: verify the server with this CA "
                                                      "(default: DISTLIB_TLS_CA)")
     srv.add_argument("--memory-budget-mb", type=int, default=MEMORY_BUDGET >> 20,
-                     help=f"what the server may hold for its clients (unsent replies, unfinished requests) "
+                     help=f"what the server may hold for its clients (unsent replies, unfinished requests, "
+                          f"the keys they wait for) "
                           f"before it closes the connections holding the most (default {MEMORY_BUDGET >> 20})")
+    srv.add_argument("--max-connections", type=int, default=budget.MAX_CONNECTIONS,
+                     help=f"clients served at once; more are refused (default {budget.MAX_CONNECTIONS})")
+    srv.add_argument("--max-connections-per-host", type=int, default=budget.MAX_CONNECTIONS_PER_HOST,
+                     help=f"clients from one address; more are refused (default {budget.MAX_CONNECTIONS_PER_HOST})")
+    srv.add_argument("--max-wait-keys-per-client", type=int, default=budget.MAX_WAIT_KEYS,
+                     help=f"missing keys one WAIT may wait for; a client over it is disconnected "
+                          f"(default {budget.MAX_WAIT_KEYS})")
+    srv.add_argument("--max-wait-keys", type=int, default=budget.MAX_WAITING_KEYS,
+                     help=f"distinct keys waited for, all clients together (default {budget.MAX_WAITING_KEYS})")
     srv.add_argument("--ping", metavar="HOST:PORT",
                      help="health check: exit 0 iff a server answers at HOST:PORT, then exit")
     srv.add_argument("--timeout", type=float, default=5.0, help="seconds --ping waits (default 5)")

@@ -57,6 +57,13 @@ def format_peer(addr) -> str:
     return format_endpoint(host, addr[1])
 
 
+def peer_host(addr) -> str:
+    """The address part of a socket address (as accept() returns it), ``::ffff:a.b.c.d`` as
+    IPv4: what a listener counts and logs a peer's connections by."""
+    host = addr[0]
+    return host[7:] if host.startswith("::ffff:") else host
+
+
 def lookup_name(host: str):
     """``host`` as getaddrinfo should get it: bytes when it is ASCII (every IP literal and
     almost every host name), else the str itself.

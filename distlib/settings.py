@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional, Tuple
 
+from .exposure import check_token_file
+
 _YES = ("1", "true", "yes", "on")
 _NO = ("0", "false", "no", "off")
 
@@ -134,10 +136,20 @@ def store_unix_socket(env: Optional[Mapping[str, str]] = None) -> bool:
     return flag("DISTLIB_STORE_UNIX", True, env)
 
 
-def read_token_file(path: str, source: str) -> str:
-    """The contents of a token file; ValueError naming ``source``, the file and the cause."""
+def token_file_strict(env: Optional[Mapping[str, str]] = None) -> bool:
+    """DISTLIB_AUTH_TOKEN_FILE_STRICT: refuse a token file that group or others can read, or
+    that another user owns (default: warn; exposure.py says the rule)."""
+    return flag("DISTLIB_AUTH_TOKEN_FILE_STRICT", False, env)
+
+
+def read_token_file(path: str, source: str, env: Optional[Mapping[str, str]] = None) -> str:
+    """The contents of a token file; ValueError naming ``source``, the file and the cause.
+    Its owner and mode are checked on the open file (exposure.check_token_file): a warning,
+    or a ValueError under DISTLIB_AUTH_TOKEN_FILE_STRICT."""
+    strict = token_file_strict(env)
     try:
         with open(path, encoding="utf-8") as f:
+            check_token_file(f.fileno(), path, source, strict)
             return f.read()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -154,8 +166,13 @@ def auth_token(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, s
     if value:
         return "DISTLIB_AUTH_TOKEN", value
     if path:
-        return f"DISTLIB_AUTH_TOKEN_FILE={path}", read_token_file(path, "DISTLIB_AUTH_TOKEN_FILE")
+        return f"DISTLIB_AUTH_TOKEN_FILE={path}", read_token_file(path, "DISTLIB_AUTH_TOKEN_FILE", env)
     return None
+
+
+def token_configured(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether DISTLIB_AUTH_TOKEN or DISTLIB_AUTH_TOKEN_FILE is set (the file is not read)."""
+    return bool(text("DISTLIB_AUTH_TOKEN", env=env) or text("DISTLIB_AUTH_TOKEN_FILE", env=env))
 
 
 def tls_files(env: Optional[Mapping[str, str]] = None) -> Tuple[str, str, str]:

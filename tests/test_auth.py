@@ -109,3 +109,134 @@ def test_token_mistakes_are_clear_errors(tmp_path):
         auth.configured_token({"DISTLIB_AUTH_TOKEN_FILE": str(missing)})
     with pytest.raises(ValueError, match="--auth-token-file=.*: cannot read the token file"):
         auth.token_from_file(str(missing))
+
+
+# -- warnings where a deployment is open (distlib/exposure.py, issue 28) ---------------------------
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import types  # noqa: E402
+
+from distlib import exposure  # noqa: E402
+
+EXPOSURE_LOG = "distlib.exposure"
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch, caplog):
+    """Each test sees the process's first warnings again; returns the warnings logged."""
+    monkeypatch.setattr(exposure, "_warned", set())
+    caplog.set_level(logging.WARNING, EXPOSURE_LOG)
+    return lambda: [r.getMessage() for r in caplog.records if r.name == EXPOSURE_LOG]
+
+
+def _stat(uid: int, mode: int):
+    return types.SimpleNamespace(st_uid=uid, st_mode=0o100000 | mode)
+
+
+@pytest.mark.parametrize("uid, mode, problem", [
+    (1000, 0o600, None),
+    (1000, 0o400, None),
+    (1000, 0o640, "it is readable by its group (mode 0640): chmod 600 it"),
+    (1000, 0o644, "it is readable by others (mode 0644): chmod 600 it"),
+    (1000, 0o666, "it is readable by others (mode 0666): chmod 600 it"),
+    (1000, 0o620, "it is writable by its group (mode 0620): chmod 600 it"),
+    (0, 0o440, None),  # a Kubernetes Secret: root's, readable by the pod's fsGroup
+    (0, 0o444, "it is owned by root and readable or writable by others (mode 0444): make it 0440 or 0400"),
+    (0, 0o460, "it is owned by root and writable by its group (mode 0460): make it 0440 or 0400"),
+    (1001, 0o600, "it is owned by uid 1001"),
+])
+def test_the_token_file_rule(uid, mode, problem):
+    found = exposure.token_file_problem(_stat(uid, mode), euid=1000)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(problem), found
+
+
+def test_a_token_file_others_can_read_is_a_warning_once_and_refused_when_strict(tmp_path, fresh_warnings):
+    f = tmp_path / "token"
+    f.write_text("s" * 40)
+    f.chmod(0o644)
+    env = {"DISTLIB_AUTH_TOKEN_FILE": str(f)}
+    assert auth.configured_token(env) == b"s" * 40
+    assert auth.configured_token(env) == b"s" * 40
+    assert fresh_warnings() == [
+        f"DISTLIB_AUTH_TOKEN_FILE={f}: it is readable by others (mode 0644): chmod 600 it; whoever can read the "
+        f"token can join the job, whoever can change it can lock the job out (set DISTLIB_AUTH_TOKEN_FILE_STRICT=1 "
+        f"to refuse such files)"]
+    with pytest.raises(ValueError, match=rf"DISTLIB_AUTH_TOKEN_FILE={f}: refused the token file: it is readable by "
+                                         rf"others \(mode 0644\): chmod 600 it \(DISTLIB_AUTH_TOKEN_FILE_STRICT=1"):
+        auth.configured_token(dict(env, DISTLIB_AUTH_TOKEN_FILE_STRICT="1"))
+    f.chmod(0o600)
+    assert auth.configured_token(dict(env, DISTLIB_AUTH_TOKEN_FILE_STRICT="1")) == b"s" * 40
+    assert len(fresh_warnings()) == 1
+
+
+def test_a_token_file_of_another_user_is_named(tmp_path, fresh_warnings):
+    if os.geteuid() != 0:
+        pytest.skip("chown needs root")
+    f = tmp_path / "token"
+    f.write_text("s" * 40)
+    f.chmod(0o600)
+    os.chown(f, 4242, 4242)
+    with pytest.raises(ValueError, match=r"it is owned by uid 4242.*not by this process's user \(uid 0"):
+        auth.configured_token({"DISTLIB_AUTH_TOKEN_FILE": str(f), "DISTLIB_AUTH_TOKEN_FILE_STRICT": "yes"})
+    assert auth.token_from_file(str(f)) == b"s" * 40  # (warned: --auth-token-file is not strict without the variable)
+    assert fresh_warnings()[0].startswith(f"--auth-token-file={f}: it is owned by uid 4242")
+
+
+def _listener(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+def test_a_listener_on_every_interface_without_a_token_is_a_warning_once(fresh_warnings):
+    with _listener("0.0.0.0") as a, _listener("0.0.0.0") as b, _listener("127.0.0.1") as local:
+        assert exposure.warn_open_listener("the store", a, None)
+        assert not exposure.warn_open_listener("the store", b, None)  # once per process
+        assert not exposure.warn_open_listener("the store", local, None)  # loopback: this host only
+        assert not exposure.warn_open_listener("the gloo mesh", a, b"t" * 16)  # a token: fine
+        port = a.getsockname()[1]
+    assert fresh_warnings() == [
+        f"the store listens on port {port} of every interface without a token: anyone who reaches port {port} of "
+        f"every interface can join and send objects that are unpickled: set DISTLIB_AUTH_TOKEN_FILE (a file holding "
+        f"`openssl rand -hex 32`, readable by this user only) in every process of the job (docs/security.md)"]
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True),
+                                            ("::ffff:127.0.0.1", True), ("0.0.0.0", False), ("::", False),
+                                            ("10.0.0.5", False), ("fe80::1%eth0", False)])
+def test_what_counts_as_loopback(host, loopback):
+    assert exposure.is_loopback(host) is loopback
+
+
+def test_the_launchers_warning(fresh_warnings):
+    assert not exposure.warn_open_job("127.0.0.1", 29500, False, multi_node=False)
+    assert not exposure.warn_open_job("10.0.0.5", 29500, True, multi_node=True)
+    assert exposure.warn_open_job("10.0.0.5", 29500, False, multi_node=True)
+    assert fresh_warnings() == [
+        "this job's store (10.0.0.5:29500) and its ranks' listeners run without a token: anyone who reaches them "
+        "can join and send objects that are unpickled: " + exposure.TOKEN_ADVICE]
+
+
+def test_init_process_group_warns_for_its_store_and_its_mesh(fresh_warnings, monkeypatch):
+    """A one-rank gloo group whose store and mesh listen on every interface, without a token:
+    one warning for each (rank 0's store server, the mesh's listener)."""
+    import distlib.distributed as dist
+    from distlib.store.tcp import TCPStore
+
+    monkeypatch.setenv("DISTLIB_MESH_BIND_ALL", "1")
+    monkeypatch.delenv("DISTLIB_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("DISTLIB_AUTH_TOKEN_FILE", raising=False)
+    store = TCPStore("0.0.0.0", 0, 1, True, wait_for_workers=False)
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.destroy_process_group()
+    finally:
+        store.close()
+    warnings = fresh_warnings()
+    assert any(w.startswith("the store listens on port ") for w in warnings), warnings
+    assert any(w.startswith("this rank's gloo mesh listens on port ") for w in warnings), warnings

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from ..exposure import warn_open_job
+from ..settings import token_configured
 from ..store.tcp.connect import format_endpoint
 from .agent import Worker, run_workers, say
 from .elastic_config import ElasticPlan
@@ -87,6 +89,8 @@ def launch(resolved: Resolved, program: Program, options: Options,
             say(str(exc))
             return 1
         log.info("%s", _summary(resolved))
+        warn_open_job(str(resolved.master_addr.value), int(resolved.master_port.value), token_configured(environ),
+                      resolved.nnodes.value > 1)  # once per process, what to do (distlib/exposure.py)
         node = resolved.node_rank.value
         nproc = resolved.nproc_per_node.value
         argv = program.argv()

@@ -6,7 +6,9 @@ Store API over it; the parts live beside it:
 
 * ``file_log.py`` — the on-disk format (records, tombstones, refcount keys), no I/O;
 * ``file_io.py`` — ``LogFile``: one FileStore's view of the file (cache, offset) and every
-  operation's open/flock/read/append/unlock cycle, with torch's refcount and cleanup rules;
+  operation's open/flock/read/append/unlock cycle;
+* ``file_join.py`` — ``JoinedFile``: joining (the constructor) and closing (the destructor),
+  with torch's refcount and cleanup rules;
 * ``file_locks.py`` — ``flock`` with a deadline, and the error for a file system that
   cannot lock;
 * ``file_mounts.py`` — the mount-table check for NFS/Lustre mounts with host-local locks;
@@ -46,7 +48,7 @@ from typing import Iterator, List, Optional
 from ..deadline import Deadline, TimeoutLike
 from .base import DEFAULT_STORE_TIMEOUT, Store, ValueLike, check_key, check_keys, to_bytes
 from .file_guard import guard
-from .file_io import LogFile
+from .file_join import JoinedFile
 from .file_mounts import check_mount
 from .file_sidecar import SIDECAR_SUFFIX
 
@@ -67,7 +69,7 @@ POLL_MAX_S = 0.010
 MIN_LOCK_WAIT_S = 30.0
 
 
-def _finalize(log_: LogFile) -> None:
+def _finalize(log_: JoinedFile) -> None:
     """The destructor (garbage collection or interpreter exit): close, never raise."""
     try:
         log_.close()
@@ -91,7 +93,7 @@ class FileStore(Store):
         path = os.path.abspath(os.fsdecode(os.fspath(file_name)))
         mount = check_mount(path)
         # on NFS (or another network file system) each operation gets a deadline: file_guard.py
-        self._log = guard(LogFile(path, world_size, max(self._timeout_s, MIN_LOCK_WAIT_S)), mount)
+        self._log = guard(JoinedFile(path, world_size, max(self._timeout_s, MIN_LOCK_WAIT_S)), mount)
         self._log.join()
         self._finalizer = weakref.finalize(self, _finalize, self._log)
 

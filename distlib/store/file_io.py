@@ -7,11 +7,8 @@ EOF, appends at most one record per change, unlocks and closes (docs/wire-protoc
 "FileStore"). Reads never trust ``st_size`` or ``mtime`` (NFS caches them): they read until
 ``read()`` returns nothing, under the lock.
 
-Reference counting is torch's: ``join`` (the constructor) adds 1 to ``refcount/``; ``close``
-(or the destructor, or interpreter exit) adds 1 to ``cleanup/`` and -1 to ``refcount/``, and
-unlinks the file when the refcount reaches 0, ``world_size >= 0`` and
-``cleanup >= world_size``. Joining and closing also register in the liveness side file
-(``file_sidecar.py``), so a file left by a crashed run is an error, not a silent mix.
+Joining and closing (torch's refcount and cleanup records, the liveness side file) are
+``file_join.py``'s ``JoinedFile``, a LogFile with a constructor and a destructor.
 
 Damage is named, never misread: under the lock no writer is mid-record, so bytes that do not
 form a whole record are reported with their byte offset; a file truncated, replaced or
@@ -27,17 +24,17 @@ system call becomes a DistStoreError naming the file, the operation and the errn
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import stat
 import threading
 from typing import Dict, List, Optional, Tuple
 
-from ..deadline import Deadline, format_duration
 from ..errors import DistStoreError
+from ..exposure import symlink_refusal
 from . import file_log
 from .base import add_to_counter, compare_set_refusal
-from .file_locks import LOCK_EX, LOCK_SH, describe_kind, lock, os_error, unlink, unlock_close
+from .file_locks import LOCK_EX, LOCK_SH, lock, os_error, unlock_close
 from .file_sidecar import Liveness
 
 log = logging.getLogger("distlib.store.file")
@@ -64,8 +61,6 @@ _OPENING = {
 
 _u32 = file_log._pack_u32
 _replay = file_log.replay
-_REFCOUNT = file_log.REFCOUNT_KEY
-_CLEANUP = file_log.CLEANUP_KEY
 #: Writers refuse what readers would call damage; ``-`` + the file key must fit too.
 _MAX_WRITE_KEY = file_log.MAX_KEY - 1
 _MAX_VALUE = file_log.MAX_VALUE
@@ -139,6 +134,7 @@ class LogFile:
         "closed",
         "chunk",
         "lock_wait_s",
+        "nofollow",
     )
 
     def __init__(self, path: str, world_size: int, lock_wait_s: float) -> None:
@@ -155,16 +151,24 @@ class LogFile:
         self.closed = False
         self.chunk = _READ_CHUNK
         self.lock_wait_s = lock_wait_s
+        #: O_NOFOLLOW when the file's directory is writable by every user (set at join:
+        #: exposure.check_store_path), else 0; added to every open of the path.
+        self.nofollow = 0
 
     # -- opening and locking -------------------------------------------------------------------
 
     def _open(self, flags: int) -> int:
         try:
-            return os.open(self.path, flags, _FILE_MODE)
-        except FileNotFoundError:
-            raise self._vanished_error() from None
+            return os.open(self.path, flags | self.nofollow, _FILE_MODE)
         except OSError as exc:
-            raise os_error(exc, self.path, _OPENING[flags]) from exc
+            raise self._open_error(exc, flags) from None
+
+    def _open_error(self, exc: OSError, flags: int) -> DistStoreError:
+        if isinstance(exc, FileNotFoundError):
+            return self._vanished_error()
+        if exc.errno == errno.ELOOP and self.nofollow:
+            return DistStoreError(symlink_refusal(self.path))
+        return os_error(exc, self.path, _OPENING[flags])
 
     def _vanished_error(self) -> DistStoreError:
         directory = os.path.dirname(self.path)
@@ -190,11 +194,9 @@ class LogFile:
         of every operation, hence one method doing the three steps (each a few syscalls).
         """
         try:
-            fd = os.open(self.path, flags, _FILE_MODE)
-        except FileNotFoundError:
-            raise self._vanished_error() from None
+            fd = os.open(self.path, flags | self.nofollow, _FILE_MODE)
         except OSError as exc:
-            raise os_error(exc, self.path, _OPENING[flags]) from exc
+            raise self._open_error(exc, flags) from None
         try:  # _catch_up, inlined: this is every operation's read
             lock(fd, op, self.path, self.lock_wait_s)
             tail = self.tail
@@ -489,155 +491,6 @@ class LogFile:
                 return self.cache.pop(fkey, None) is not None
             finally:
                 unlock_close(fd)
-
-    # -- joining: constructor --------------------------------------------------------------------
-
-    def join(self) -> None:
-        """The constructor's work: create/open the file, check it, refcount += 1.
-
-        All under the file's LOCK_EX, so joiners and closers of every process (torch's too)
-        are serialised: the stale check and the refcount see a settled file.
-        """
-        with self.shared.mutex:
-            fd = self._open_locked_for_join()
-            try:
-                self._catch_up(fd)
-                stale = (lambda users: self._stale_error(fd, users)) if self.offset > 0 else None
-                self.liveness.join(stale, self.lock_wait_s)
-                try:
-                    self._add_locked(fd, _REFCOUNT, 1, "refcount/")
-                except BaseException:
-                    self.liveness.count_out(False)
-                    self.liveness.release()
-                    raise
-            finally:
-                unlock_close(fd)
-        log.debug("joined %s (refcount now %s)", self.path, self.cache.get(_REFCOUNT))
-
-    def _open_locked_for_join(self) -> int:
-        """Open (creating) and LOCK_EX the file the path names *after* the lock is granted.
-
-        A closing user may unlink the file while we wait for its lock; then the inode we
-        locked is gone from the directory and we must open the path again (torch does not
-        check, and can end up alone on an unlinked file).
-        """
-        deadline = Deadline(self.lock_wait_s)
-        while True:
-            fd = self._open(_WR_FLAGS)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise DistStoreError(
-                        f"FileStore: {self.path} is {describe_kind(st.st_mode)}, not a regular "
-                        f"file: a store file must be a regular file (a device or a pipe can "
-                        f"yield endless data, or none, and cannot hold records). Give the path "
-                        f"of a file on a local or shared file system"
-                    )
-                lock(fd, LOCK_EX, self.path, self.lock_wait_s)
-                try:
-                    now = os.stat(self.path)
-                except FileNotFoundError:
-                    now = None
-            except OSError as exc:
-                unlock_close(fd)
-                raise os_error(exc, self.path, "checking (fstat/stat)") from exc
-            except BaseException:
-                unlock_close(fd)
-                raise
-            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                self.identity = (st.st_dev, st.st_ino)
-                return fd
-            unlock_close(fd)
-            if deadline.expired():
-                raise DistStoreError(
-                    f"FileStore: store file {self.path} kept being removed and created again "
-                    f"for {format_duration(deadline.seconds)} while opening it"
-                )
-            log.debug("%s was unlinked while we waited for its lock; opening it again", self.path)
-
-    def _stale_error(self, fd: int, dead_users: int) -> DistStoreError:
-        """The store file ``fd`` (locked, read to its end) holds a dead run's records:
-        ``Liveness.join`` found its distlib users gone without closing."""
-        records = 0
-        at = 0
-        try:
-            while at < self.offset:  # count in bounded reads: the file may be big
-                image = os.pread(fd, min(self.offset - at, _READ_MAX), at)
-                if not image:
-                    break
-                whole = file_log.record_end(image)
-                if whole:
-                    records += sum(1 for _ in file_log.iter_records(image[:whole]))
-                    at += whole
-                else:  # one record longer than a read: skip it by its header
-                    records += 1
-                    at += file_log.record_need(image, 0)
-        except OSError as exc:
-            return os_error(exc, self.path, "reading (to report a dead run's records in)")
-        refcount = self.cache.get(_REFCOUNT, b"0").decode("ascii", "replace")
-        cleanup = self.cache.get(_CLEANUP, b"0").decode("ascii", "replace")
-        return DistStoreError(
-            f"FileStore: store file {self.path} holds {records} records from an earlier run "
-            f"whose processes are gone (refcount {refcount}, cleanup {cleanup}; {dead_users} distlib "
-            f"user(s) never closed it: killed or crashed). Joining it would mix that run's keys "
-            f"into this one. Remove {self.path} and {self.liveness.path} and start again."
-        )
-
-    # -- closing: destructor -------------------------------------------------------------------
-
-    def close(self) -> None:
-        """torch's destructor: cleanup/ += 1, refcount/ -= 1, maybe unlink; then let go.
-
-        Both records are appended in one locked cycle (torch takes two; the bytes are the
-        same). The side file's user count is lowered, and the liveness lock released, while
-        the store file's LOCK_EX is still held, so a joiner never sees a dead-looking user.
-        """
-        if self.closed:
-            return
-        self.closed = True
-        if os.getpid() != self.pid:
-            # A forked copy: the parent owns this user (and the shared liveness lock).
-            self.liveness.forget_in_fork()
-            return
-        with self.shared.mutex:
-            try:
-                if os.path.exists(self.path):  # torch: a file already gone means nothing to do
-                    self._close_locked()
-            finally:
-                self.liveness.release()
-
-    def _close_locked(self) -> None:
-        try:
-            fd = os.open(self.path, _RW_FLAGS)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise os_error(exc, self.path, "closing: " + _OPENING[_RW_FLAGS]) from exc
-        try:
-            lock(fd, LOCK_EX, self.path, self.lock_wait_s)
-            try:
-                st = os.fstat(fd)
-            except OSError as exc:
-                raise os_error(exc, self.path, "closing: checking (fstat)") from exc
-            if (st.st_dev, st.st_ino) != self.identity:
-                log.warning(
-                    "%s is no longer the file this FileStore joined (removed and created "
-                    "again): not counting this close in it", self.path,
-                )
-                return
-            self._catch_up(fd)
-            finished = self._add_locked(fd, _CLEANUP, 1, "cleanup/")
-            refcount = self._add_locked(fd, _REFCOUNT, -1, "refcount/")
-            remove = refcount == 0 and self.world_size >= 0 and finished >= self.world_size
-            self.liveness.count_out(remove)  # the side file goes first (Liveness.count_out)
-            if remove:
-                unlink(self.path)
-                log.debug("last user closed %s (world size %d): removed", self.path, self.world_size)
-            else:
-                log.debug("closed %s (refcount %d, cleanup %d)", self.path, refcount, finished)
-            self.liveness.release()
-        finally:
-            unlock_close(fd)
 
 
 def _refuse(fkey: bytes, value: bytes) -> None:

@@ -53,12 +53,14 @@ class Liveness:
         self.shared = shared
         self.fd: Optional[int] = None
 
-    def join(self, stale_error: Optional[Callable[[int], DistStoreError]], lock_wait_s: float) -> None:
+    def join(self, stale_error: Optional[Callable[[int], DistStoreError]], lock_wait_s: float,
+             nofollow: int = 0) -> None:
         """Detect a dead run's store file, then count this user in (the caller holds the store
         file's LOCK_EX). ``stale_error(dead_users)`` builds the error when the store file
-        holds records; None when it is empty (a dead count on an empty file is forgotten)."""
+        holds records; None when it is empty (a dead count on an empty file is forgotten).
+        ``nofollow``: O_NOFOLLOW in a directory every user may write to (exposure.py)."""
         try:
-            sfd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+            sfd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | nofollow, _FILE_MODE)
         except OSError as exc:
             log.warning("cannot open the liveness file %s (%s): stale-file detection is off for %s",
                         self.path, exc, self.store_path)

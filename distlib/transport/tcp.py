@@ -51,7 +51,9 @@ from .. import auth
 from ..busy_poll import BusyPoll
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError, DistNetworkError
+from ..exposure import warn_open_listener
 from ..net import classify, tune
+from ..refusals import RefusalLog
 from ..net import format_endpoint as endpoint
 from . import frames
 from .accept import Handshakes
@@ -233,8 +235,9 @@ class Mesh:
         self.rank = rank
         #: The job's token: every connection is authenticated with it (None: not at all).
         self.token = token
-        #: host -> [connections refused, the last reason]: for the log and the timeout error
-        self.refused: Dict[str, list] = {}
+        #: Connections refused, by address: logged once per interval with a count (refusals.py);
+        #: their totals go into the timeout error
+        self.refused = RefusalLog(log)
         self.size = size
         self.timeout_s = timeout_s
         self.mesh_id = mesh_id
@@ -272,6 +275,7 @@ class Mesh:
                     rcvbuf: Sequence[int] = ()) -> None:
         """Connect to every lower rank, accept every higher one, start the progress thread.
         ``rcvbuf[peer]``, where given and > 0, fixes that connection's SO_RCVBUF."""
+        warn_open_listener("this rank's gloo mesh", self.listener, self.token)  # once per process (exposure.py)
         hello = frames.pack(HELLO, 0, 0, 0, 0, 0, 0, frames.HELLO_PAYLOAD.size) + \
             frames.HELLO_PAYLOAD.pack(self.rank, self.mesh_id)
         for peer in range(self.rank):
@@ -289,6 +293,7 @@ class Mesh:
                 expected.discard(peer)
                 self._add(peer, sock, endpoint(addresses[peer][0], addresses[peer][1]),
                           rcvbuf[peer] if peer < len(rcvbuf) else 0)
+        self.refused.flush(final=True)  # the counts of refusals not logged yet: accepting is over
         if expected:
             for conn in self.conns:
                 if conn is not None:
@@ -337,24 +342,18 @@ class Mesh:
                 f"Every rank of the job must have the same DISTLIB_AUTH_TOKEN (or DISTLIB_AUTH_TOKEN_FILE)") from None
 
     def _refused_connection(self, host: str, where: str, reason: str) -> None:
-        """A connection failed authentication: logged (WARNING once per address) and
-        remembered for the timeout error."""
-        entry = self.refused.setdefault(host, [0, ""])
-        entry[0] += 1
-        entry[1] = reason
-        (log.warning if entry[0] == 1 else log.debug)(
-            "%s: rank %d refused a mesh connection from %s: %s (this job's mesh requires authentication with "
-            "DISTLIB_AUTH_TOKEN; nothing it sent was read; further refusals from %s are logged at DEBUG)",
-            self.label, self.rank, where, reason, host)
+        """A connection failed authentication: logged once per address per interval, with a
+        count (distlib/refusals.py), and remembered for the timeout error."""
+        self.refused.refused(host, f"{self.label}: rank {self.rank} refused a mesh connection from {where}: {reason} "
+                                   f"(this job's mesh requires authentication with DISTLIB_AUTH_TOKEN; nothing it sent "
+                                   f"was read)", reason)
 
     def _log_dropped(self, message: str, *args) -> None:
         log.debug("%s: rank %d " + message, self.label, self.rank, *args)
 
     def _refusals_text(self) -> str:
-        if not self.refused:
-            return ""
-        parts = [f"{n} from {host} (last: {reason})" for host, (n, reason) in sorted(self.refused.items())]
-        return "; meanwhile it refused connections that failed authentication: " + "; ".join(parts)
+        summary = self.refused.summary()
+        return "; meanwhile it refused connections that failed authentication: " + summary if summary else ""
 
     def _add(self, peer: int, sock: socket.socket, address: str, rcvbuf: int = 0) -> None:
         # Blocking sockets with kernel timeouts: one recv_into(MSG_WAITALL) reads a whole

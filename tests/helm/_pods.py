@@ -445,8 +445,8 @@ def plan(docs: Iterable[dict[str, Any]], namespace: str, cluster_domain: str = "
         elif kind == "Secret":
             secret_data[name] = {k: base64.b64decode(v) for k, v in (d.get("data") or {}).items()}
             secret_data[name].update({k: str(v).encode() for k, v in (d.get("stringData") or {}).items()})
-        elif kind in ("ConfigMap", "ServiceAccount", "PodDisruptionBudget"):
-            continue  # nothing here reads them
+        elif kind in ("ConfigMap", "ServiceAccount", "PodDisruptionBudget", "NetworkPolicy"):
+            continue  # nothing here reads them (NetworkPolicies: the containers' network is the run's alone)
         else:
             raise NotEmulated(f"{kind}/{name}")
     endpoints = {s["metadata"]["name"]: _add_service_names(s, pods + tests, namespace, cluster_domain)

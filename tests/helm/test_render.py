@@ -82,6 +82,8 @@ def test_objects_per_mode(rendered: Rendered, scenario: str) -> None:
         expected.append("Secret:auth")  # the token (auth.enabled, the default)
     if MODES[scenario] == "tcp":
         expected.append("Pod:test")  # the `helm test` hook
+    if rendered.values.get("auth", {}).get("enabled", True):  # on with the token (test_network_policy.py)
+        expected += ["NetworkPolicy:worker"] + (["NetworkPolicy:master"] if own_master else [])
     assert kinds == sorted(expected)
     for d in rendered.docs:
         assert d["metadata"]["namespace"] == NAMESPACE
@@ -639,6 +641,8 @@ def test_name_overrides(chart: Any) -> None:
         "Service/bert-master",
         "Pod/bert-test-master",
         "Secret/bert-auth",
+        "NetworkPolicy/bert-master",
+        "NetworkPolicy/bert-workers",
     }
     r = render(chart, release="distlib-nightly")
     assert r.job["metadata"]["name"] == "distlib-nightly-workers"

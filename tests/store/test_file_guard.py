@@ -19,6 +19,7 @@ from distlib.store import file_guard
 from distlib.store.file import FileStore
 from distlib.store.file_guard import GuardedLog, guard
 from distlib.store.file_io import LogFile
+from distlib.store.file_join import JoinedFile
 from distlib.store.file_mounts import MountInfo
 
 NFS = MountInfo("/mnt/shared", "/", "nfs4", "srv:/export", ("rw",), ("vers=4.2", "hard"))
@@ -39,7 +40,7 @@ def test_local_files_are_not_wrapped(tmp_path):
     assert guard(log_file, None) is log_file
     assert isinstance(guard(log_file, NFS), GuardedLog)
     with FileStore(str(tmp_path / "local")) as store:  # this host's tmp: no wrapper, no thread
-        assert type(store._log) is LogFile
+        assert type(store._log) is JoinedFile
 
 
 def test_a_store_on_nfs_works_through_its_helper_thread(tmp_path, on_nfs):

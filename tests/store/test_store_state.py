@@ -264,3 +264,88 @@ def test_a_cancelled_barrier_participant_is_not_released_and_the_count_stays(sta
     assert state.data[b"bar"] == b"2"  # torch does not take a cancelled arrival back
     assert state.barrier(Waiter(), b"bar", 3) is True
     assert released.order == [b]
+
+
+# -- what waits cost (issue 28) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("waiters, keys", [(1, 20_000), (200, 100)], ids=["distinct keys", "shared keys"])
+def test_the_charge_of_waits_covers_what_they_allocate(waiters, keys):
+    """``wait_bytes`` against tracemalloc: WAITs decoded from requests (as the server does)
+    on keys nobody waited for, and many WAITs on the same keys (a job's ranks waiting for each
+    other's records). The charge is at least what is allocated and at most 1.6 times it."""
+    import gc
+    import tracemalloc
+
+    from distlib.store.tcp import codec
+
+    state = KeyValueState(lambda w: None, max_wait_keys=keys)
+    requests = [codec.keys_request(codec.Op.WAIT, [b"job/rank/%08d" % i for i in range(keys)]) for _ in range(waiters)]
+    held = []
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for request in requests:
+            decoded, _ = codec.read_keys(request, 1, len(request), codec.Limits())
+            waiter = Waiter()
+            assert not state.wait(waiter, decoded)
+            held.append(waiter)
+        del decoded
+        gc.collect()
+        allocated = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert allocated <= state.wait_bytes <= 1.6 * allocated, (allocated, state.wait_bytes)
+    for waiter in held:
+        state.cancel(waiter)
+    assert state.wait_bytes == 0 and not state.waiters
+
+
+def test_a_wait_is_charged_until_its_last_key_arrives(state, released):
+    w = Waiter()
+    assert not state.wait(w, [b"a", b"b"])
+    charged = state.wait_bytes
+    assert charged == state.cost_of(w) + 2 * 128 > 0  # (+ the two keys' entries)
+    state.set(b"a", b"1")
+    assert state.wait_bytes == charged - (1 + 56 + 128)  # a's registration is given back; still waiting for b
+    state.set(b"b", b"2")
+    assert released.order == [w] and state.wait_bytes == 0 and state.cost_of(w) == 0
+
+
+def test_barriers_and_queue_waits_are_charged_and_released(state, released):
+    first, second = Waiter(), Waiter()
+    assert not state.barrier(first, b"bar", 2)
+    assert state.wait_bytes == len(b"bar") + 56 + 128 and state.cost_of(first) == len(b"bar") + 56
+    assert state.barrier(second, b"bar", 2)
+    assert state.wait_bytes == 0
+    popper = Waiter()
+    assert not state.wait(popper, [b"q"])
+    state.queue_push(b"q", b"x")
+    assert released.order == [first, popper] and state.wait_bytes == 0
+
+
+def test_waits_over_the_caps_are_refused_and_charge_nothing(released):
+    state = KeyValueState(released, max_wait_keys=3, max_waiting_keys=4)
+    with pytest.raises(StateError, match=r"WAIT on 4 keys: one client may wait for at most 3 keys at once"):
+        state.wait(Waiter(), [b"a", b"b", b"c", b"d"])
+    assert state.wait(Waiter(), [b"a", b"b"]) is False
+    with pytest.raises(StateError, match=r"WAIT on 3 more missing keys: the server already waits for 2 distinct"):
+        state.wait(Waiter(), [b"c", b"d", b"e"])
+    assert state.wait(Waiter(), [b"a", b"b", b"c"]) is False  # two of them are waited for already: one new
+    assert len(state.waiters) == 3
+
+
+def test_cancelled_and_partly_released_waits_give_back_exactly_what_they_took(released):
+    """Registrations on shared keys, a key listed twice, a queue push, a cancel after part of a
+    wait was released: at the end nothing is charged."""
+    state = KeyValueState(released)
+    a, b, c = Waiter(), Waiter(), Waiter()
+    state.wait(a, [b"x", b"y", b"x"])
+    state.wait(b, [b"y", b"z"])
+    state.wait(c, [b"q"])
+    state.set(b"y", b"1")  # a and b each lose one registration; y's entry goes
+    state.cancel(a)
+    state.queue_push(b"q", b"v")  # releases c
+    assert released.order == [c]
+    state.cancel(b)
+    assert state.wait_bytes == 0 and not state.waiters

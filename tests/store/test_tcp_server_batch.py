@@ -16,7 +16,7 @@ import pytest
 from distlib.store.tcp import StoreServer
 from distlib.store.tcp import codec as proto
 from distlib.store.tcp.batch import FRAME_CACHE_SIZE, MIN_EVENTS, PARALLEL_MIN, SLICE, FanOut, frame_kind
-from distlib.store.tcp.server import CONN_EVENTS, Connection
+from distlib.store.tcp.connection import CONN_EVENTS, Connection
 
 EPOLLIN = select.EPOLLIN
 MAX_I64 = (1 << 63) - 1
@@ -501,3 +501,42 @@ def test_batch_path_off_by_argument():
         server.listener.close()
         if server.local_listener is not None:
             server.local_listener.close()
+
+
+def test_waits_on_several_keys_in_one_turn_are_each_released_by_their_key(turns):
+    """Runs of WAITs on one key (the batch path registers each run at once), interleaved with
+    other keys and ADDs: each waiter is released by its own key only, and nothing stays charged."""
+    clients = [turns.client()[0] for _ in range(7)]
+    keys = [b"x", b"x", b"y", b"x", b"y", b"y"]
+    for c, k in zip(clients, keys):
+        c.sendall(wait(k))
+    clients[6].sendall(proto.add(b"z", 1))
+    turns.turn(*clients)
+    assert i64(recv_exact(clients[6], 8)) == 1
+    assert all(nothing_to_read(c) for c in clients[:6])
+    assert turns.server.state.wait_bytes == 6 * (1 + 56) + 2 * 128
+    setter = turns.client()[0]
+    setter.sendall(proto.set_(b"y", b"1"))
+    turns.turn(setter)
+    for c, k in zip(clients, keys):
+        assert (recv_exact(c, 1) == bytes([proto.STOP_WAITING])) if k == b"y" else nothing_to_read(c)
+    setter.sendall(proto.set_(b"x", b"1"))
+    turns.turn(setter)
+    assert all(recv_exact(c, 1) == bytes([proto.STOP_WAITING]) for c, k in zip(clients, keys) if k == b"x")
+    assert turns.server.state.wait_bytes == 0
+
+
+def test_a_wait_over_the_cap_of_keys_waited_for_is_refused_not_fatal(turns):
+    """A turn's WAIT on a new key when the state already waits for its most: the general
+    path closes that client; the others of the turn are served."""
+    turns.server.state.max_waiting_keys = 1
+    first, second, third = (turns.client()[0] for _ in range(3))
+    first.sendall(wait(b"a"))
+    turns.turn(first)
+    second.sendall(wait(b"b"))
+    third.sendall(wait(b"a"))
+    turns.turn(second, third)
+    second.settimeout(2)
+    assert second.recv(1) == b""  # closed
+    assert nothing_to_read(third)  # waits with the first
+    assert len(turns.server.state.waiters[b"a"]) == 2

@@ -7,7 +7,8 @@ In order, each step only when it applies:
    accept (``net.same_user``).
 2. **TLS** (TCP connections, when the server has a certificate): the first byte must start a
    TLS handshake; plaintext (a TCPStore handshake, a torch client) gets a TLS alert and is
-   closed; then the handshake, driven by the event loop.
+   closed; then the handshake, on the server's handshake thread (``advance_tls``,
+   tls_handshakes.py), so that handshakes never hold up the event loop's clients.
 3. **The token** (when the server has one): the server sends its challenge at once
    (distlib/auth.py); the client's 64-byte response must prove the token, or the client gets
    REFUSED and is closed. Exactly the response's bytes are read before the verdict.
@@ -46,8 +47,8 @@ PEEK_TLS, TLS, AUTH, VALIDATE = range(4)
 _STEP_NAMES = {PEEK_TLS: "the TLS handshake", TLS: "the TLS handshake", AUTH: "authentication",
                VALIDATE: "the TCPStore handshake (VALIDATE)"}
 
-# What ``advance`` returns.
-WAITING, WANT_WRITE, ADMITTED = range(3)
+# What ``advance`` (and ``advance_tls``) returns.
+WAITING, WANT_WRITE, ADMITTED, TLS_DONE = range(4)
 
 
 class Refused(Exception):
@@ -95,6 +96,20 @@ class Admission:
     @staticmethod
     def step_name(conn) -> str:
         return _STEP_NAMES[conn.gate.step]
+
+    @staticmethod
+    def needs_tls(conn) -> bool:
+        """Whether ``conn``'s next step is TLS (its handshake thread's part: tls_handshakes.py)."""
+        return conn.gate.step in (PEEK_TLS, TLS)
+
+    def advance_tls(self, conn) -> int:
+        """The TLS steps alone, as far as the bytes allow: WAITING, WANT_WRITE, or TLS_DONE once
+        the handshake is done (the next step is set, and the token's challenge, if any, waits
+        in ``conn.out``). Raises Refused. The handshake thread runs this, never the loop."""
+        if conn.gate.step == PEEK_TLS and not self._peek_tls(conn):
+            return WAITING
+        outcome = self._handshake(conn)
+        return TLS_DONE if outcome is None else outcome
 
     def advance(self, conn) -> int:
         """Go as far as the bytes that arrived allow: WAITING (for bytes), WANT_WRITE (the TLS

@@ -25,7 +25,10 @@ Contract with the server (what keeps the two paths one behaviour):
   one key are one ``add_many`` (one parse and one store; each reply is still the value
   after that ADD), stored when an ADD on another key comes or the run ends, before anything
   else in the turn looks at the key; a counter the state refuses (not a number) stops the
-  batch there, so the general path reports it. A WAIT is ``state.wait``.
+  batch there, so the general path reports it. The WAITs of a turn on one key are one
+  ``state.wait_all`` (a barrier's ranks register with one list extension and one charge),
+  run when a WAIT on another key comes or the run ends; a WAIT the state would refuse (over
+  its cap of keys waited for) stops the batch there.
 * Replies go where the general path puts them (each connection's ``out``, and the turn's
   ``dirty`` list); the server sends them at the end of the turn and hands a large turn's
   single replies to ``send_replies``, keeping partial sends, send errors and everything else
@@ -159,7 +162,6 @@ class BatchPath:
         # One thread: recv() is cheap beside send(), and splitting it measured no faster.
         results = _recv_part(list(map(_sock_of, conns)), recv_size)
         state = self.state
-        wait = state.wait
         known = self.frames.get
         done = 0
         # A run of ADDs on one key (a barrier's arrivals, WAITs between them): one add_many
@@ -167,6 +169,8 @@ class BatchPath:
         run_key = None
         run_deltas: List[int] = []
         run_conns: list = []
+        wait_key = None  # likewise a run of WAITs on one key: one wait_all
+        wait_conns: list = []
         for conn, frame in zip(conns, results):
             kind = known(frame)
             if kind is None:
@@ -188,12 +192,20 @@ class BatchPath:
                     run_key, run_deltas, run_conns = key, [], []
                 run_deltas.append(delta)
                 run_conns.append(conn)
-            elif wait(conn, [key]):  # (on a counter not stored yet: the run's store wakes it)
-                conn.out.append(_STOP)
-                dirty.append(conn)
+            elif key == wait_key:
+                wait_conns.append(conn)
+            else:
+                if wait_key is not None:
+                    _wait_run(state, wait_key, wait_conns, dirty)
+                    wait_key = None
+                if not state.may_wait_for(key):
+                    break  # the general path refuses it
+                wait_key, wait_conns = key, [conn]
             done += 1
         if run_key is not None:
             _store_run(state, run_key, run_deltas, run_conns, dirty)
+        if wait_key is not None:  # (after the ADDs: a WAIT on their counter finds it stored)
+            _wait_run(state, wait_key, wait_conns, dirty)
         return done, results
 
     def send_replies(self, conns: list, replies: List[bytes]) -> list:
@@ -222,6 +234,14 @@ def _store_run(state: KeyValueState, key: bytes, deltas: List[int], conns: list,
     C-level loop: ``out.append(pack(value))`` for every connection of the run)."""
     list(map(_append, map(_out_of, conns), map(_pack_i64, state.add_many(key, deltas))))
     dirty += conns
+
+
+def _wait_run(state: KeyValueState, key: bytes, conns: list, dirty: list) -> None:
+    """The one-key WAITs of one run: one ``wait_all``; STOP_WAITING for each at once when the
+    key is there."""
+    if state.wait_all(conns, key):
+        list(map(_append, map(_out_of, conns), repeat(_STOP, len(conns))))
+        dirty += conns
 
 
 #: A fan-out of at least this many replies is split across the threads (FanOut).

@@ -118,9 +118,11 @@ def open_connection(host: str, port: int, deadline: Deadline, security: StoreSec
         except (OSError, DistNetworkError) as exc:
             _close(sock)
             if deadline.expired():
+                closed = isinstance(exc, (ConnectionResetError, BrokenPipeError))  # (closed as we sent)
                 raise DistNetworkError(
                     f"The client socket has timed out after {int(deadline.seconds * 1000)}ms while trying "
-                    f"to connect to ({host}, {port}): connected, but the handshake failed: {exc}") from exc
+                    f"to connect to ({host}, {port}): connected, but the handshake failed: {exc}"
+                    f"{_closed_hint(b'') if closed else ''}") from exc
             time.sleep(min(0.05, deadline.remaining()))
 
 
@@ -267,7 +269,10 @@ class _Talk:
         buf = bytearray(got)
         sock = self.sock
         while len(buf) < n:
-            chunk = self.run(what, lambda: sock.recv(n - len(buf)), patience)
+            try:
+                chunk = self.run(what, lambda: sock.recv(n - len(buf)), patience)
+            except ConnectionResetError:
+                chunk = b""  # closed with our bytes unread: a refusal too, said the same way
             if chunk is None:
                 return None
             if not chunk:
@@ -280,7 +285,8 @@ class _Talk:
 
 def _closed_hint(got: bytes) -> str:
     return "" if got else (": a store that requires TLS or authentication closes connections that do not "
-                           "(DISTLIB_TLS_CA, DISTLIB_AUTH_TOKEN)")
+                           "(DISTLIB_TLS_CA, DISTLIB_AUTH_TOKEN), and a distlib store closes those over its "
+                           "connection limits (the store's log names the limit)")
 
 
 def _handshake(sock, where: str, deadline: Deadline, token: Optional[bytes], patient: bool) -> bool:

@@ -4,20 +4,18 @@ Used in two ways: ``TCPStore(is_master=True)`` runs it on a daemon thread (as to
 server thread), and ``distlib store-server`` runs it as the standalone TCP master service
 that any number of jobs share.
 
-This module is the event loop and the connections. What a request does is handlers.py
-(decode with codec.py, run on the state of state.py, queue the reply); who gets in
-(same-user check, TLS, the token, VALIDATE, the time allowed) is admission.py; the barrier's
-shape has its own path, batch.py. Design, and why:
+This module is the event loop, reading and running requests. What a request does is
+handlers.py (decode with codec.py, run on the state of state.py, queue the reply); who gets in
+(same-user check, TLS, the token, VALIDATE, the time allowed, the limits on connections) is
+admission.py, driven by intake.py, with TLS handshakes on tls_handshakes.py's thread; replies
+go out through sending.py; the memory budget is budget.py; a connection's fields are
+connection.py; the barrier's shape has its own path, batch.py. Design, and why:
 
 * **One thread, non-blocking sockets, epoll** (the batch path adds helper threads that only
   send a large turn's replies). Every connection has its own input buffer and its own
   output queue; nobody waits on a slow client. Thousands of idle connections cost a file
   descriptor each (the server raises its RLIMIT_NOFILE soft limit to the hard limit at
   start).
-* **Admission first.** A new connection is kept apart (``_admitting``) until admission.py has
-  taken it through TLS, the token and VALIDATE, within ``admission.TIMEOUT_S`` of the accept;
-  only then can its requests run. With no token and no TLS it only checks VALIDATE, and the
-  wire is torch's byte for byte.
 * **Edge-triggered, in arrival order.** Connections are registered with EPOLLET, so the
   ready list holds them in the order their data arrived and requests of different clients
   run in that order, as torch's servers run them (level-triggered epoll re-queues every
@@ -33,38 +31,23 @@ shape has its own path, batch.py. Design, and why:
   value, more than MAX_HELD_REQUESTS requests queued behind a wait. This is also how torch's
   servers report errors: the protocol has no error reply.
 * **Backpressure, and one memory budget.** A connection whose replies the kernel did not
-  take is not read again (its requests wait in the kernel) until they are sent; one read's
-  requests stop running once MAX_OUT_PARTS replies wait to go out. Large values go out by
-  reference to the stored object (handlers.py), sent with sendmsg, never joined into a copy.
-  What the server allocates for its clients — unsent replies (stored values excepted),
-  requests that have not fully arrived, requests queued behind a wait — is counted against
-  ``memory_budget``; past it, the connections holding the most are closed, largest first,
-  with a log line each (as Redis evicts clients past ``maxmemory-clients``). A stored value
-  that is overwritten while an unsent reply carries it lives on until that reply is out:
-  backpressure bounds how many replies one connection can have waiting.
-* **Replies go out at the end of the loop turn**, one send per connection, the replies a
-  connection's own requests produced and the wake-ups other requests caused alike
-  (``_flush`` says why).
+  take is not read again until they are sent (sending.py); one read's requests stop running
+  once MAX_OUT_PARTS replies wait to go out. What the server allocates for its clients is
+  counted against ``memory_budget`` (budget.py); past it, the connections holding the most
+  are closed. A stored value that is overwritten while an unsent reply carries it lives on
+  until that reply is out: backpressure bounds how many replies one connection can have
+  waiting.
 * **A batch path for the barrier's shape** (batch.py): a turn of at least
   ``batch.MIN_EVENTS`` plain ADD and one-key WAIT requests is read, recognised and run with
   C-level loops, and a turn with many replies (thousands of waiters released at once) is
   sent by helper threads too. Anything else, a single client's request included, goes
   through the general path.
-* **Out of file descriptors** (EMFILE): the listeners leave the epoll set for
-  ACCEPT_PAUSE_S (level-triggered, they would report the same pending connection
-  forever), new clients wait in the backlog, and the error is logged at most every
-  EMFILE_LOG_INTERVAL_S with the number of refusals since.
 * **Busy-poll after activity** (distlib/busy_poll.py). When a burst of requests ends, the
   loop keeps polling without sleeping for ``SPIN_S`` before it blocks: on VMs whose idle
   vCPUs halt, blocking costs ~100 us per request in wake-up latency, more than the request
   itself. It yields the CPU when it is wanted elsewhere (one usable CPU, more runnable
   tasks than CPUs); an idle server spins once and sleeps, so the cost is at most one window
   of CPU per burst.
-* **Same-host socket.** Listening on the wildcard address or on loopback, the server also
-  listens on the abstract UNIX socket ``net.unix_socket_name(port)``; distlib clients of the
-  same user that connect to a loopback address use it (client.py). Same protocol; the
-  kernel's cost per request is about a third of TCP loopback's. Peers of another user are
-  refused (admission.py). ``DISTLIB_STORE_UNIX=0`` turns it off.
 * **Ordered waits** (codec.py): a request queued behind a pending WAIT or BARRIER on the
   same connection runs when that wait completes; CANCEL_WAIT runs at once. torch clients
   never notice; distlib clients use it to get a value in one round trip.
@@ -77,30 +60,31 @@ with ``distlib store-server --max-key-bytes/--max-value-bytes``.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
-import resource
 import select
 import socket
 import threading
 import time
 from functools import partial
-from itertools import islice
-from operator import attrgetter
 from typing import Deque, Dict, List, Optional
 
 from ... import settings
 from ...busy_poll import BusyPoll
-from ...deadline import format_duration
-from ...net import (bind_listener, bind_local_listener, format_peer, raise_fd_limit, same_user, serves_loopback,
-                   unix_peer)
-from . import admission, batch, codec
-from .admission import ADMITTED, WANT_WRITE, Admission, Refused
-from .codec import MANY_KEY_OPS, STOP_WAITING, Limits, ManyScan, Op, ProtocolError
+from ...exposure import warn_open_listener
+from ...net import bind_listener, bind_local_listener, raise_fd_limit, serves_loopback
+from ...refusals import RefusalLog
+from . import batch, codec
+from .admission import Admission
+from .budget import MEMORY_BUDGET, ClientLimits, MemoryBudget
+from .codec import MANY_KEY_OPS, STOP_WAITING, U64, Limits, ManyScan, Op, ProtocolError
+from .connection import EPOLLIN, EPOLLIN_ERRS, EPOLLOUT, EPOLLRDHUP, Connection
 from .handlers import CloseConnection, Handlers
+from .intake import Intake
 from .security import StoreSecurity
-from .state import KeyValueState, StateError, Waiter
+from .sending import ReplySender
+from .state import KeyValueState, StateError
+from .tls_handshakes import TlsHandshakes
 
 log = logging.getLogger("distlib.store.tcp.server")
 
@@ -109,88 +93,32 @@ log = logging.getLogger("distlib.store.tcp.server")
 RECV_SIZE = 64 * 1024
 #: The most one recv() asks for while the rest of a large value is known to be on its way.
 MAX_RECV_SIZE = 4 * 1024 * 1024
-#: A turn with at least this many connections to answer sends through batch.send_replies.
-FLUSH_BATCH_MIN = 16
-#: What the server may hold for its clients in all (unsent replies, requests not fully arrived
-#: or queued behind a wait) before it closes the connections holding the most. A single request
-#: larger than this cannot be served.
-MEMORY_BUDGET = 1024 * 1024 * 1024
 #: A connection's requests stop running for the turn once this many reply parts wait to go out
 #: (a part is at most handlers.COPY_MAX bytes, or a stored value sent by reference).
 MAX_OUT_PARTS = 64
 #: Requests one connection may queue behind a pending WAIT (a distlib client queues one: its
 #: GET; torch clients none).
 MAX_HELD_REQUESTS = 64
-#: Buffers one sendmsg() takes at most (the kernel's IOV_MAX).
-IOV_MAX = 1024
-#: Out of file descriptors: stop accepting this long, then try again.
-ACCEPT_PAUSE_S = 0.5
-#: ... and log it at most this often.
-EMFILE_LOG_INTERVAL_S = 10.0
 #: After activity, poll without sleeping this long before blocking (busy_poll.py says when not).
 SPIN_S = 200e-6
 
 _STOP = bytes([STOP_WAITING])
 _CANCEL_WAIT = int(Op.CANCEL_WAIT)
+_WAIT = int(Op.WAIT)
 #: What closes a connection: a malformed request, one the state refuses, a handler's verdict.
 _CLOSING = (ProtocolError, StateError, CloseConnection)
-_buffered_of = attrgetter("buffered")
 
-EPOLLIN = select.EPOLLIN
-EPOLLOUT = select.EPOLLOUT
-EPOLL_ERRS = select.EPOLLHUP | select.EPOLLERR
-EPOLLIN_ERRS = EPOLLIN | EPOLL_ERRS
-EPOLLRDHUP = getattr(select, "EPOLLRDHUP", 0x2000)
-#: Connections are edge-triggered: the ready list then holds them in the order their data
-#: arrived, and requests from different clients run in that order (level-triggered epoll
-#: re-queues every reported fd behind the others, so a newer request could overtake an
-#: older one; torch's servers keep arrival order, and code relies on it: a set() that has
-#: returned is seen by a later request of another client).
-CONN_EVENTS = EPOLLIN | EPOLLRDHUP | select.EPOLLET
-#: A connection whose replies wait for the kernel: only told when it can take more (backpressure:
-#: its requests stay in the kernel, and the loop needs no per-event check for it).
-PAUSED_EVENTS = EPOLLOUT | select.EPOLLET
 #: recv() calls one readable event may make before the connection waits for the next turn.
 MAX_READS_PER_EVENT = 16
 
 
-class Connection(Waiter):
-    """Server-side state of one client connection (a Waiter of the state).
-
-    Kept small, because the loop touches it once per request: the queues that most
-    connections never need (``pending``, ``held``, ``inbuf``) are None until they do.
-    """
-
-    __slots__ = ("sock", "fd", "peer", "inbuf", "need", "scan", "out", "refs", "pending",
-                 "pending_own", "validated", "held", "is_worker", "paused", "tls", "gate", "buffered")
-
-    def __init__(self, sock: socket.socket, peer: str):
-        super().__init__()
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.peer = peer
-        self.inbuf: Optional[bytearray] = None  # the start of a request that has not fully arrived
-        self.need = 0  # parse again once inbuf holds this many bytes (0: at once, it waited for output)
-        self.scan: Optional[ManyScan] = None  # finds the end of a many-key request in inbuf
-        self.out: List[bytes] = []  # replies produced this loop turn
-        self.refs = False  # out carries a stored value by reference (handlers.py): sendmsg, no join
-        self.pending: Optional[Deque[bytes]] = None  # replies the kernel did not take yet
-        self.pending_own = 0  # of which the server's own bytes (not stored values; the budget's)
-        self.validated = False
-        self.held: Optional[Deque[bytes]] = None  # raw requests queued behind a wait
-        self.is_worker = False  # sent ADD "init/"
-        self.paused = False  # not read until its replies are out (backpressure)
-        self.tls = False  # sock is a tls.TlsSocket
-        self.gate: Optional[admission.Gate] = None  # on its way in (admission.py)
-        self.buffered = 0  # bytes the server holds for it (the memory budget)
-
-
-class StoreServer:
+class StoreServer(Intake, ReplySender, MemoryBudget):
     """The TCPStore server. ``serve_forever()`` in a thread or the main thread; ``stop()``.
 
     ``security``: the token and TLS every connection must go through; None reads them from
     the environment (``StoreSecurity.from_env``), so a process with ``DISTLIB_AUTH_TOKEN``
-    never serves without it. ``StoreSecurity()`` is an open server.
+    never serves without it. ``StoreSecurity()`` is an open server. ``memory_budget`` and
+    ``client_limits`` (budget.py) bound what its clients may make it hold.
     """
 
     def __init__(
@@ -203,8 +131,10 @@ class StoreServer:
         batch_path: bool = True,
         security: Optional[StoreSecurity] = None,
         memory_budget: int = MEMORY_BUDGET,
+        client_limits: Optional[ClientLimits] = None,
     ):
         self.limits = limits or Limits()
+        self.client_limits = client_limits or ClientLimits()
         self.security = security if security is not None else StoreSecurity.from_env()
         self.admission = Admission(self.security.token, self.security.server_tls)
         self.memory_budget = memory_budget
@@ -214,20 +144,30 @@ class StoreServer:
         self.listener = listen_sock if listen_sock is not None else bind_listener(host, port)
         self.listener.setblocking(False)
         self.port: int = self.listener.getsockname()[1]
+        warn_open_listener("the store", self.listener, self.security.token)
         # Same-host distlib clients come in through this UNIX socket (client.py, "same-host
         # transport"): the same protocol, at a third of the kernel's cost per request.
         self.local_listener: Optional[socket.socket] = None
         if settings.store_unix_socket() and serves_loopback(self.listener):
             self.local_listener = bind_local_listener(self.port)
-        self.state = KeyValueState(self._finish_wait, self.limits.max_value)
+        self.state = KeyValueState(self._finish_wait, self.limits.max_value,
+                                   self.client_limits.max_wait_keys_per_client, self.client_limits.max_wait_keys)
         self.conns: Dict[int, Connection] = {}
         self._admitting: Dict[int, Connection] = {}  # accepted, not admitted yet (admission.py)
+        self._hosts: Dict[str, int] = {}  # peer address -> its admitted connections
+        self._admitting_hosts: Dict[str, int] = {}  # peer address -> its connections on their way in
+        #: Refusals and closes for what a client sent, logged once per address per interval.
+        self.refusals = RefusalLog(log)
+        #: With ``log_connections``: clients' connections and disconnections, the same way.
+        self.connection_log = RefusalLog(log, noun="connections and disconnections")
+        #: The TLS handshake thread (tls_handshakes.py), while serving with TLS.
+        self.tls_handshakes: Optional[TlsHandshakes] = None
         self._admission_order: Deque[Connection] = collections.deque()  # by deadline
         self._dirty: List[Connection] = []  # connections with replies to send this turn
         self._resume: List[Connection] = []
         self._unread: List[Connection] = []
         self._listeners: Dict[int, socket.socket] = {}  # fd -> listening socket (serve_forever)
-        self._due: Optional[float] = None  # the next admission deadline or accept resumption
+        self._due: Optional[float] = None  # the next admission deadline, accept resumption or refusal count
         self._accept_paused_until = 0.0
         self._emfile_log_at = 0.0
         self._emfile_unlogged = 0
@@ -260,12 +200,16 @@ class StoreServer:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and close every connection; safe to call from any thread, twice."""
         self._stopping = True
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        """Wake the loop (from another thread: stop(), the TLS handshake thread)."""
         try:
             os.write(self._wake_w, b"x")
         except OSError:
-            pass
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            pass  # full (the loop will wake) or closed (stopped)
 
     @property
     def running(self) -> bool:
@@ -280,6 +224,8 @@ class StoreServer:
         for fd in self._listeners:
             ep.register(fd, EPOLLIN)
         ep.register(self._wake_r, EPOLLIN)
+        if self.admission.tls_context is not None:
+            self.tls_handshakes = TlsHandshakes(self.admission, self._wake, f"distlib-store-tls:{self.port}")
         poll = ep.poll
         probe = partial(poll, 0)
         spin = self.busy_poll.spin
@@ -297,10 +243,14 @@ class StoreServer:
                 if self._due is not None and clock() >= self._due:
                     self._timers(ep)
         finally:
+            if self.tls_handshakes is not None:
+                self.tls_handshakes.close()
             if self.batch is not None:
                 self.batch.close()
             for conn in list(self.conns.values()) + list(self._admitting.values()):
                 self._close(conn, ep, "server stopping", level=None)
+            self.refusals.flush(final=True)
+            self.connection_log.flush(final=True)
             ep.close()
             self.listener.close()
             if self.local_listener is not None:
@@ -344,6 +294,8 @@ class StoreServer:
                     self._run_held(conn)
                 except _CLOSING as exc:
                     self._close(conn, ep, str(exc))
+        if self.buffered + self.state.wait_bytes > self.memory_budget:  # waits grew (budget.py)
+            self._evict(ep)
         if self._dirty:
             self._flush(ep)
 
@@ -369,7 +321,7 @@ class StoreServer:
 
     def _on_other(self, fd: int, ev: int, ep) -> None:
         """An event on a connection being admitted, a listening socket (accept) or the wake-up
-        pipe (drain it)."""
+        pipe (drain it; take the connections whose TLS handshake is done)."""
         conn = self._admitting.get(fd)
         if conn is not None:
             self._advance(conn, ep, ev)
@@ -382,171 +334,8 @@ class StoreServer:
                 os.read(fd, 4096)
             except OSError:
                 pass
-
-    # -- connections: accepting and admitting ----------------------------------------------------
-
-    def _accept(self, ep, listener: socket.socket, local: bool = False) -> None:
-        while True:
-            try:
-                sock, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    self._pause_accepting(ep, exc)
-                    return
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
-                    continue
-                raise
-            sock.setblocking(False)
-            if local:
-                peer = unix_peer(sock)
-                refusal = same_user(sock)
-                if refusal is not None:
-                    log.warning("refused same-host client %s: it is %s", peer, refusal)
-                    sock.close()
-                    continue
-            else:
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                except OSError:
-                    pass
-                peer = format_peer(addr)
-            conn = Connection(sock, peer)
-            self._admitting[conn.fd] = conn
-            ep.register(conn.fd, CONN_EVENTS)
-            deadline = time.monotonic() + admission.TIMEOUT_S
-            self.admission.open(conn, local, deadline)
-            self._admission_order.append(conn)
-            if self._due is None or deadline < self._due:
-                self._due = deadline
-            if conn.out:
-                self._dirty.append(conn)
-            if self.log_connections:
-                log.info("client %s connected (%d open)", conn.peer, len(self.conns) + len(self._admitting))
-
-    def _advance(self, conn: Connection, ep, ev: int) -> None:
-        """Take a connection on its way in as far as its bytes allow (admission.py); once it is
-        admitted, its requests go the usual way."""
-        if ev & EPOLLOUT and conn.pending is not None:
-            self._flush_pending(conn, ep)
-            if conn.closed:
-                return
-        try:
-            outcome = self.admission.advance(conn)
-        except Refused as exc:
-            self._close(conn, ep, str(exc), level=logging.INFO if exc.quiet else logging.WARNING, reply=exc.reply)
-            return
-        if conn.out:
-            self._dirty.append(conn)
-        if outcome == WANT_WRITE:
-            ep.modify(conn.fd, CONN_EVENTS | EPOLLOUT)
-            return
-        if outcome != ADMITTED:
-            return
-        leftover = conn.gate.got
-        conn.gate = None
-        del self._admitting[conn.fd]
-        conn.validated = True
-        self.conns[conn.fd] = conn
-        if conn.tls and conn.pending is None:
-            ep.modify(conn.fd, CONN_EVENTS)  # the TLS handshake may have asked for EPOLLOUT
-        if leftover:
-            self._consume(conn, ep, 0, bytes(leftover), len(leftover) + 1)
-        if not conn.closed:
-            self._unread.append(conn)  # edge-triggered: what followed VALIDATE is read now
-
-    def _timers(self, ep) -> None:
-        """Close connections still on their way in at their deadline; accept again after a pause."""
-        now = time.monotonic()
-        order = self._admission_order
-        while order:
-            conn = order[0]
-            gate = conn.gate
-            if gate is None or conn.closed:
-                order.popleft()
-                continue
-            if gate.deadline > now:
-                break
-            order.popleft()
-            self._close(conn, ep, f"refused: did not complete {self.admission.step_name(conn)} within "
-                                  f"{admission.TIMEOUT_S:g} s of connecting")
-        if self._accept_paused_until and now >= self._accept_paused_until:
-            self._accept_paused_until = 0.0
-            for fd in self._listeners:
-                ep.register(fd, EPOLLIN)
-        due = [t for t in (order[0].gate.deadline if order else None, self._accept_paused_until or None)
-               if t is not None]
-        self._due = min(due) if due else None
-
-    def _pause_accepting(self, ep, exc: OSError) -> None:
-        """Out of file descriptors: stop accepting for ACCEPT_PAUSE_S (the listeners are
-        level-triggered: left in the set, they would report the same connection at once, and
-        the loop would spin), and say so at most every EMFILE_LOG_INTERVAL_S."""
-        now = time.monotonic()
-        for fd in self._listeners:
-            try:
-                ep.unregister(fd)
-            except (OSError, ValueError):
-                pass
-        self._accept_paused_until = now + ACCEPT_PAUSE_S
-        if self._due is None or self._accept_paused_until < self._due:
-            self._due = self._accept_paused_until
-        if now < self._emfile_log_at:
-            self._emfile_unlogged += 1
-            return
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        log.error("cannot accept connections: %s (%d clients connected, open-files limit %d); new clients wait in "
-                  "the listen backlog, accepting again every %s (this line repeats at most every %s; %d more "
-                  "times since the last one)", exc.strerror, len(self.conns) + len(self._admitting), soft,
-                  format_duration(ACCEPT_PAUSE_S), format_duration(EMFILE_LOG_INTERVAL_S), self._emfile_unlogged)
-        self._emfile_log_at = now + EMFILE_LOG_INTERVAL_S
-        self._emfile_unlogged = 0
-
-    def _close(self, conn: Connection, ep, reason: str, level: Optional[int] = logging.WARNING,
-               reply: bytes = b"") -> None:
-        """Close ``conn``; log ``reason`` at ``level`` (None: not at all; "disconnected": at
-        INFO when the server logs connections), then send (best effort) the replies its earlier
-        requests of this turn produced and ``reply``, and close: a bad request answers nothing,
-        and the good ones before it are answered however the bytes were cut into reads."""
-        if conn.closed:
-            return
-        conn.closed = True
-        parting = conn.out if conn.pending is None else []
-        if reply:
-            parting.append(reply)
-        conn.out = []  # nothing more to send (_flush skips it)
-        conn.inbuf = conn.held = conn.pending = conn.scan = None  # freed now, whoever still lists conn
-        self.state.cancel(conn)
-        self.conns.pop(conn.fd, None)
-        self._admitting.pop(conn.fd, None)
-        self.buffered -= conn.buffered
-        conn.buffered = 0
-        try:
-            ep.unregister(conn.fd)
-        except (OSError, ValueError):
-            pass
-        if level is not None:  # log first: the log line should exist by the time the client sees EOF
-            if reason == "disconnected" or level < logging.WARNING:
-                if self.log_connections:
-                    log.info("client %s %s (%d open)", conn.peer, reason, len(self.conns) + len(self._admitting))
-            else:
-                log.log(level, "closed connection of client %s: %s (%d open)", conn.peer, reason,
-                        len(self.conns) + len(self._admitting))
-        if parting and level is not None:
-            # Unread input would make close() send a reset, which can destroy what was sent
-            # before the peer reads it: drain what arrived (bounded), then send.
-            try:
-                for _ in range(4):
-                    if not conn.sock.recv(RECV_SIZE):
-                        break
-            except OSError:
-                pass
-            try:
-                conn.sock.sendmsg(parting[:IOV_MAX]) if len(parting) > 1 else conn.sock.send(parting[0])
-            except OSError:
-                pass
-        conn.sock.close()
+            if self.tls_handshakes is not None:
+                self._handshakes_done(ep)
 
     # -- reading and running ---------------------------------------------------------------------
 
@@ -628,6 +417,8 @@ class StoreServer:
         except (StateError, CloseConnection) as exc:
             self._close(conn, ep, str(exc))
             return False
+        if conn.wait_count and self.buffered + self.state.wait_bytes > self.memory_budget:
+            self._evict(ep)  # a wait grew the state past the budget (budget.py)
         if conn.closed:
             return False
         if consumed < end:
@@ -670,6 +461,10 @@ class StoreServer:
         if not conn.paused:
             conn.need -= consumed
             if rest[0] in MANY_KEY_OPS:  # its end is found by one pass over what arrives
+                if rest[0] == _WAIT and len(rest) >= 9 and U64.unpack_from(rest, 1)[0] > self.state.max_wait_keys:
+                    # over the cap: refused now, not after tens of megabytes of keys arrive
+                    self._close(conn, ep, str(self.state.too_many_keys(U64.unpack_from(rest, 1)[0])))
+                    return False
                 conn.scan = ManyScan(rest[0], self.limits)
                 try:
                     conn.need = -conn.scan.advance(rest, len(rest))
@@ -715,30 +510,6 @@ class StoreServer:
         if conn.out:
             self._dirty.append(conn)
 
-    # -- the memory budget -----------------------------------------------------------------------
-
-    def _charge(self, conn: Connection, n: int) -> None:
-        conn.buffered += n
-        self.buffered += n
-
-    def _check_budget(self, ep) -> None:
-        if self.buffered > self.memory_budget:
-            self._evict(ep)
-
-    def _evict(self, ep) -> None:
-        """Over the budget: close the connections holding the most until under it again."""
-        holders = sorted((c for c in self.conns.values() if c.buffered), key=_buffered_of, reverse=True)
-        for conn in holders:
-            if self.buffered <= self.memory_budget:
-                return
-            held = sum(map(len, conn.held or ()))
-            partial = len(conn.inbuf) if conn.inbuf is not None else 0
-            self._close(conn, ep, (
-                f"evicted: the server holds {self.buffered} bytes for its clients, over its memory budget of "
-                f"{self.memory_budget}, and this client the most: {conn.pending_own} bytes of replies it has not "
-                f"read, {partial} of requests that have not fully arrived or wait for those replies, {held} "
-                f"queued behind a WAIT"))
-
     # -- waits that complete, and the worker counter ---------------------------------------------
 
     def _finish_wait(self, conn: Connection) -> None:
@@ -766,179 +537,24 @@ class StoreServer:
                     break
                 self.counter_changed.wait(left)
 
-    # -- sending ---------------------------------------------------------------------------------
-
-    def _flush(self, ep) -> None:
-        """Send every reply this loop turn produced, one send per connection.
-
-        Replies go out at the end of the turn, not right after each read: a client process
-        with many connections (a load generator, a proxy) then finds a burst of replies when
-        it wakes, instead of being woken once per reply. A single client's request is the
-        only event of its turn, so it waits for nothing.
-        """
-        dirty, self._dirty = self._dirty, []
-        if self.batch is not None and len(dirty) >= FLUSH_BATCH_MIN:
-            dirty = self._flush_batch(dirty)
-        for conn in dirty:
-            out = conn.out
-            if not out:
-                continue  # listed twice this turn, or closed
-            if len(out) == 1 and conn.pending is None:  # the usual case: one reply, sent whole
-                reply = out[0]
-                try:
-                    sent = conn.sock.send(reply)
-                except OSError:
-                    sent = None  # _send tries again, and handles the full buffer or the error
-                if sent == len(reply):
-                    out.clear()
-                    continue
-                if sent is not None:  # the kernel took part of it
-                    conn.out = []
-                    self._send_parts(conn, ep, out, sent)
-                    continue
-            self._send(conn, ep)
-
-    def _flush_batch(self, dirty: List[Connection]) -> List[Connection]:
-        """Send the single replies of a large turn with ``batch.send_replies``; return the
-        connections left for ``_flush``'s general path (more than one reply, output already
-        pending, a TLS connection, or a send that did not take all)."""
-        conns: List[Connection] = []
-        replies: List[bytes] = []
-        rest: List[Connection] = []
-        for conn in dirty:
-            out = conn.out
-            if len(out) == 1 and conn.pending is None and not conn.tls:
-                conns.append(conn)
-                replies.append(out.pop())
-            elif out:  # (empty: listed twice this turn, or closed)
-                rest.append(conn)
-        rest += self.batch.send_replies(conns, replies)
-        return rest
-
-    def _send(self, conn: Connection, ep) -> None:
-        """Send ``conn.out``, joined into one send (the usual case: small parts, cheaper than
-        sendmsg); the rest is ``_send_parts``."""
-        out = conn.out
-        conn.out = []
-        if conn.pending is None and not conn.refs:
-            data = out[0] if len(out) == 1 else b"".join(out)
-            try:
-                sent = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self._close(conn, ep, _send_failure(exc))
-                return
-            if sent == len(data):
-                if conn.paused:  # it stopped running requests to let these out: go on
-                    conn.paused = False
-                    self._unread.append(conn)
-                return
-            out = [data]
-        else:
-            sent = None
-        self._send_parts(conn, ep, out, sent)
-
-    def _send_parts(self, conn: Connection, ep, out: List[bytes], sent: Optional[int]) -> None:
-        """Send ``out`` with sendmsg, the stored values it carries by reference not copied
-        (``sent``: bytes of it a send already took); what the kernel does not take waits in
-        ``conn.pending``, and the connection is not read until it is out (backpressure)."""
-        conn.refs = False
-        if conn.pending is not None:
-            conn.pending.extend(out)
-            own = _own_bytes(out)
-            conn.pending_own += own
-            self._charge(conn, own)
-            self._check_budget(ep)
-            return
-        total = sum(map(len, out))
-        if sent is None:
-            try:
-                sent = conn.sock.send(out[0]) if len(out) == 1 else conn.sock.sendmsg(out[:IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self._close(conn, ep, _send_failure(exc))
-                return
-        if sent == total:
-            if conn.paused:
-                conn.paused = False
-                self._unread.append(conn)
-            return
-        conn.pending_own = _own_bytes(out)  # (counted whole until all is out)
-        self._charge(conn, conn.pending_own)
-        pending = collections.deque(out)
-        _drop_front(pending, sent)
-        conn.pending = pending
-        conn.paused = True
-        ep.modify(conn.fd, PAUSED_EVENTS)
-        self._flush_pending(conn, ep)  # more than IOV_MAX parts: the socket may take more
-        if not conn.closed:
-            self._check_budget(ep)
-
-    def _flush_pending(self, conn: Connection, ep) -> None:
-        """Send what waits in ``conn.pending``; when all is out, read the connection again."""
-        pending = conn.pending
-        if pending is None:
-            return
-        sock = conn.sock
-        while pending:
-            parts = list(islice(pending, IOV_MAX))
-            try:
-                sent = sock.send(parts[0]) if len(parts) == 1 else sock.sendmsg(parts)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._close(conn, ep, _send_failure(exc))
-                return
-            _drop_front(pending, sent)  # (a partial send is not "full": TLS takes 256 KiB a call)
-        conn.pending = None
-        self._charge(conn, -conn.pending_own)
-        conn.pending_own = 0
-        ep.modify(conn.fd, CONN_EVENTS)
-        if conn.paused:
-            conn.paused = False
-            self._unread.append(conn)
-
-
-def _own_bytes(parts) -> int:
-    """The bytes of ``parts`` the server allocated: all but the stored values that replies
-    carry by reference (memoryviews, handlers.py)."""
-    return sum([len(p) for p in parts if p.__class__ is not memoryview])
-
-
-def _drop_front(parts: Deque, n: int) -> None:
-    """Remove ``n`` sent bytes from the front of ``parts``."""
-    while n:
-        head = parts[0]
-        size = len(head)
-        if n < size:
-            parts[0] = memoryview(head)[n:]
-            return
-        parts.popleft()
-        n -= size
-
-
-def _send_failure(exc: OSError) -> str:
-    """The reason a failed send closes a connection, for the log."""
-    return "disconnected" if exc.errno in (errno.EPIPE, errno.ECONNRESET) else f"send failed ({exc.strerror})"
-
-
 # -- standalone service -----------------------------------------------------------------------
 
 
 def serve(host: str, port: int, limits: Optional[Limits] = None, security: Optional[StoreSecurity] = None,
-          memory_budget: int = MEMORY_BUDGET) -> int:
+          memory_budget: int = MEMORY_BUDGET, client_limits: Optional[ClientLimits] = None) -> int:
     """Run the TCP master service in this thread until SIGTERM/SIGINT; return an exit code."""
     import signal
 
     server = StoreServer(host, port, limits=limits, log_connections=True, security=security,
-                         memory_budget=memory_budget)
+                         memory_budget=memory_budget, client_limits=client_limits)
     where = server.listener.getsockname()[0]
+    caps = server.client_limits
     log.info("distlib store-server listening on %s (port %d%s); %s; key limit %d bytes, value limit %d bytes, "
-             "memory budget %d bytes", "every interface" if where in ("::", "0.0.0.0") else where, server.port,
+             "memory budget %d bytes; at most %d connections, %d per address; a client waits for at most %d keys, "
+             "all for at most %d", "every interface" if where in ("::", "0.0.0.0") else where, server.port,
              ", same-host socket too" if server.local_listener is not None else "",
-             server.security.describe_server(), server.limits.max_key, server.limits.max_value, memory_budget)
+             server.security.describe_server(), server.limits.max_key, server.limits.max_value, memory_budget,
+             caps.max_connections, caps.max_connections_per_host, caps.max_wait_keys_per_client, caps.max_wait_keys)
 
     def on_signal(signum, _frame):
         log.info("received %s; shutting down", signal.Signals(signum).name)

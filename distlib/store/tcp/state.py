@@ -22,6 +22,20 @@ stays acceptable to torch clients:
   barrier's key (the key now exists), not the barrier's own participants.
 * A key "exists" for check and wait when it holds a value or a non-empty queue (libuv's
   rule); a queue push releases one waiter, a write every waiter of the key.
+
+**What waits cost.** A wait makes the server hold state per key until the key appears: the
+key, its entry in ``waiters`` and the waiter's list of keys. Without a bound, a client could
+WAIT on 100,000 keys nobody sets from each of a few connections and grow the master by
+hundreds of megabytes (issue 28). So ``wait_bytes`` counts ``len(key) + WAIT_KEY_COST`` bytes
+for each key a wait registers, and ``WAITED_KEY_COST`` more for each key waited for at all
+(the server counts it against its one memory budget; ``cost_of(waiter)`` is one waiter's
+share, for eviction). A key's registrations are given back together when the key appears (one
+subtraction for a barrier's thousands of waiters), a waiter's when it is cancelled. A WAIT
+may name at most ``max_wait_keys`` keys (per
+connection: a connection has one wait at a time; the server refuses a larger one as soon as
+its count arrives), and the state waits for at most ``max_waiting_keys`` distinct keys in all;
+past either cap the WAIT is refused with a StateError (the server closes that connection and
+says why).
 """
 
 from __future__ import annotations
@@ -32,6 +46,18 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..base import INT64_MAX, INT64_MIN, add_to_counter, compare_set_refusal, describe_key, wrap_int64
 from .codec import MAX_VALUE_BYTES
+
+#: Bytes each key a wait registers costs beyond the key's own: its bytes object's header and
+#: its slots in ``waiters[key]`` and in the waiter's key list ...
+WAIT_KEY_COST = 56
+#: ... and a key nobody waited for yet, its entry in ``waiters`` and its list (charged to the
+#: wait that adds it). tests/store/test_store_state.py checks both against tracemalloc.
+WAITED_KEY_COST = 128
+#: Keys one WAIT may leave missing (torch's default server takes 131072 keys per request; a
+#: job that waits for one key per rank waits for tens of thousands at most).
+MAX_WAIT_KEYS = 65536
+#: Distinct keys the state waits for, over every client.
+MAX_WAITING_KEYS = 1 << 20
 
 
 class StateError(ValueError):
@@ -56,13 +82,18 @@ class KeyValueState:
     """The store's contents and waits. ``data`` may be read directly (the server's GET and
     LIST_KEYS do); every change goes through a method, which wakes the waiters it should."""
 
-    def __init__(self, on_release: Callable[[Waiter], None], max_value: int = MAX_VALUE_BYTES):
+    def __init__(self, on_release: Callable[[Waiter], None], max_value: int = MAX_VALUE_BYTES,
+                 max_wait_keys: int = MAX_WAIT_KEYS, max_waiting_keys: int = MAX_WAITING_KEYS):
         self.on_release = on_release
         self.max_value = max_value
+        self.max_wait_keys = max_wait_keys
+        self.max_waiting_keys = max_waiting_keys
         self.data: Dict[bytes, bytes] = {}
         self.queues: Dict[bytes, Deque[bytes]] = {}
         self.waiters: Dict[bytes, List[Waiter]] = {}
         self.barrier_waiters: Dict[bytes, List[Waiter]] = {}
+        #: What every pending wait holds, in bytes (see "What waits cost" above).
+        self.wait_bytes = 0
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -201,46 +232,115 @@ class KeyValueState:
                 return True
             waiting = waiters.get(key)
             if waiting is None:
+                if len(waiters) >= self.max_waiting_keys:
+                    raise self._too_many_waiting(1)
                 waiters[key] = [waiter]
+                self.wait_bytes += len(key) + (WAIT_KEY_COST + WAITED_KEY_COST)
             else:
                 waiting.append(waiter)
+                self.wait_bytes += len(key) + WAIT_KEY_COST
             waiter.wait_keys = keys
             waiter.wait_count = 1
             return False
+        if len(keys) > self.max_wait_keys:
+            raise self.too_many_keys(len(keys))
         missing = [k for k in keys if k not in data and not queues.get(k)]
         if not missing:
             return True
+        if len(waiters) + len(missing) > self.max_waiting_keys:  # (exact only when all are new)
+            new = sum([k not in waiters for k in missing])
+            if len(waiters) + new > self.max_waiting_keys:
+                raise self._too_many_waiting(new)
+        new = 0
         for key in missing:
             waiting = waiters.get(key)
             if waiting is None:
                 waiters[key] = [waiter]
+                new += 1
             else:
                 waiting.append(waiter)
         waiter.wait_keys = missing
         waiter.wait_count = len(missing)
+        self.wait_bytes += sum(map(len, missing)) + WAIT_KEY_COST * len(missing) + WAITED_KEY_COST * new
         return False
+
+    def cost_of(self, waiter: Waiter) -> int:
+        """About what ``waiter``'s pending wait holds, in bytes (the keys it still misses, at
+        the mean length of those it asked for): which connection to evict first."""
+        count = waiter.wait_count
+        if not count:
+            return 0
+        keys = waiter.wait_keys or (waiter.barrier_key or b"",)
+        return count * (sum(map(len, keys)) // len(keys) + WAIT_KEY_COST)
+
+    def wait_all(self, waiters: Sequence[Waiter], key: bytes) -> bool:
+        """``wait(w, [key])`` for each of ``waiters`` at once (a barrier's ranks, one turn's
+        WAITs on its key; batch.py): True when the key is present now (none of them waits),
+        else they all wait for it. The caller checks ``may_wait_for(key)`` first."""
+        if key in self.data or self.queues.get(key):
+            return True
+        waiting = self.waiters.get(key)
+        if waiting is None:
+            waiting = self.waiters[key] = []
+            self.wait_bytes += WAITED_KEY_COST
+        waiting += waiters
+        self.wait_bytes += len(waiters) * (len(key) + WAIT_KEY_COST)
+        keys = (key,)
+        for waiter in waiters:
+            waiter.wait_keys = keys
+            waiter.wait_count = 1
+        return False
+
+    def may_wait_for(self, key: bytes) -> bool:
+        """Whether a new wait on ``key`` stays within ``max_waiting_keys``."""
+        return key in self.waiters or len(self.waiters) < self.max_waiting_keys
+
+    def too_many_keys(self, count: int) -> StateError:
+        """The refusal of a WAIT that names more than ``max_wait_keys`` keys."""
+        return StateError(f"WAIT on {count} keys: one client may wait for at most {self.max_wait_keys} keys at once "
+                          f"(--max-wait-keys-per-client)")
+
+    def _too_many_waiting(self, more: int) -> StateError:
+        return StateError(
+            f"WAIT on {more} more missing key{'s' if more != 1 else ''}: the server already waits for "
+            f"{len(self.waiters)} distinct keys for its clients, and waits for at most {self.max_waiting_keys} "
+            f"(--max-wait-keys)")
 
     def barrier(self, waiter: Waiter, key: bytes, world_size: int) -> bool:
         """BARRIER: counter ``key`` += 1 (ADD's rules). True when that fills the barrier (its
         earlier participants are released); else ``waiter`` waits for the rest and False."""
         count = self.add(key, 1, "BARRIER")
         if count >= world_size:
-            for other in self.barrier_waiters.pop(key, ()):
-                if not other.closed and other.wait_count:
-                    other.wait_count = 0
-                    self._release(other)
+            released = self.barrier_waiters.pop(key, None)
+            if released:
+                self.wait_bytes -= len(released) * (len(key) + WAIT_KEY_COST) + WAITED_KEY_COST
+                for other in released:
+                    if not other.closed and other.wait_count:
+                        other.wait_count = 0
+                        self._release(other)
             return True
-        self.barrier_waiters.setdefault(key, []).append(waiter)
+        if key not in self.barrier_waiters and len(self.barrier_waiters) >= self.max_waiting_keys:
+            raise StateError(f"BARRIER on a new key: the server already holds {len(self.barrier_waiters)} barriers "
+                             f"for its clients, and at most {self.max_waiting_keys} (--max-wait-keys)")
+        waiting = self.barrier_waiters.get(key)
+        if waiting is None:
+            self.barrier_waiters[key] = [waiter]
+            self.wait_bytes += len(key) + (WAIT_KEY_COST + WAITED_KEY_COST)
+        else:
+            waiting.append(waiter)
+            self.wait_bytes += len(key) + WAIT_KEY_COST
         waiter.barrier_key = key
         waiter.wait_count = 1
         return False
 
     def cancel(self, waiter: Waiter) -> None:
         """Forget every wait of ``waiter`` (CANCEL_WAIT, or its connection closed)."""
+        freed = 0
         for key in waiter.wait_keys:
-            _unregister(self.waiters, key, waiter)
+            freed += _unregister(self.waiters, key, waiter)
         if waiter.barrier_key is not None:
-            _unregister(self.barrier_waiters, waiter.barrier_key, waiter)
+            freed += _unregister(self.barrier_waiters, waiter.barrier_key, waiter)
+        self.wait_bytes -= freed
         waiter.wait_keys = ()
         waiter.barrier_key = None
         waiter.wait_count = 0
@@ -251,6 +351,7 @@ class KeyValueState:
         waiting = self.waiters.pop(key, None)
         if not waiting:
             return
+        self.wait_bytes -= len(waiting) * (len(key) + WAIT_KEY_COST) + WAITED_KEY_COST
         on_release = self.on_release
         for waiter in waiting:
             if waiter.closed or not waiter.wait_count:
@@ -266,14 +367,15 @@ class KeyValueState:
         waiting = self.waiters.get(key)
         while waiting:
             waiter = waiting.pop(0)
+            self.wait_bytes -= len(key) + WAIT_KEY_COST
             if waiter.closed or not waiter.wait_count:
                 continue
             waiter.wait_count -= 1
             if waiter.wait_count == 0:
                 self._release(waiter)
                 break
-        if not waiting:
-            self.waiters.pop(key, None)
+        if not waiting and self.waiters.pop(key, None) is not None:
+            self.wait_bytes -= WAITED_KEY_COST
 
     def _release(self, waiter: Waiter) -> None:
         waiter.wait_keys = ()
@@ -285,13 +387,17 @@ def _not_a_counter(what: str, key: bytes, exc: Exception) -> StateError:
     return StateError(f"{what} on key {describe_key(key)}: {exc}")
 
 
-def _unregister(registry: Dict[bytes, List[Waiter]], key: bytes, waiter: Waiter) -> None:
-    """Take ``waiter`` off ``registry[key]`` (once), and the key off when none is left."""
+def _unregister(registry: Dict[bytes, List[Waiter]], key: bytes, waiter: Waiter) -> int:
+    """Take ``waiter`` off ``registry[key]`` (once), and the key off when none is left; the
+    bytes that frees (``wait_bytes``' share of it)."""
     waiting = registry.get(key)
-    if waiting is not None:
-        try:
-            waiting.remove(waiter)
-        except ValueError:
-            pass
-        if not waiting:
-            del registry[key]
+    if waiting is None:
+        return 0
+    try:
+        waiting.remove(waiter)
+    except ValueError:
+        return 0
+    if waiting:
+        return len(key) + WAIT_KEY_COST
+    del registry[key]
+    return len(key) + WAIT_KEY_COST + WAITED_KEY_COST
