@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
         helm-lint helm-test bench-store bench-collectives clean
 
 help:
-	@echo "make cluster-up    build the image and run the 4-node Compose cluster job (NODES=8, MODE=tcp|rank0|file|nfs|mpi, GPU=1,"
+	@echo "make cluster-up    build the image and run the 4-node Compose cluster job (NODES=8, MODE=tcp|rank0|file|nfs|mpi|slurm, GPU=1,"
 	@echo "                   JOB=\"python my_train.py --epochs 3\": your own script, this directory mounted read-only;"
 	@echo "                   MIN_NODES=2 MAX_RESTARTS=3: elastic, a lost node leaves a smaller job)"
 	@echo "make cluster-kill NODE=2   kill worker-2 of the running cluster (SIGKILL): a lost node"

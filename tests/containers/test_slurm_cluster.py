@@ -12,6 +12,7 @@ jobs submitted from the controller as the image's user.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -197,7 +198,8 @@ def test_a_step_cancelled_with_scancel_is_named_by_the_other_steps_ranks(slurm_c
     assert code == 0, out
     text = _wait_output(slurm_cluster, "scancel", lambda t: t.count("FAILED rank") >= 2, 45,
                         "the FAILED lines of ranks 0 and 1")
-    failed = [line for line in text.splitlines() if line.startswith(("FAILED rank 0", "FAILED rank 1"))]
+    # distlib-run prefixes each worker's line with "[rankN]: ", as torchrun does
+    failed = [line for line in text.splitlines() if re.match(r"(\[rank[01]\]: )?FAILED rank [01]:", line)]
     assert len(failed) == 2, text
     assert all("rank 2" in line or "rank 3" in line for line in failed), failed
     _wait_job_gone(slurm_cluster, job, 60)
