@@ -12,6 +12,7 @@ import pytest
 
 from distlib.tools.store_service import StoreServerProcess
 from tests.fixtures.ports import free_port  # noqa: F401 - the launcher tests take it from here
+from tests.fixtures.procfs import pid_alive  # noqa: F401 - the launcher tests take it from here
 
 #: Variables a cluster or an outer launcher may have set in the test runner's environment; the
 #: launcher would read them (that is its job), so the tests start from an environment without.
@@ -59,16 +60,3 @@ def store_server():
         yield server.port
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie still answers kill(0): look at its state
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
 from distlib import settings
+from tests.fixtures.procfs import pid_alive
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -339,16 +340,6 @@ def _qemu_of_ours(pid: int) -> bool:
     return any(MARKER.encode() in part for part in cmdline)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_orphans() -> List[str]:
     """Kill the QEMUs that test sessions which are gone left behind (their pidfiles); names them."""
     killed = []
@@ -360,7 +351,7 @@ def sweep_orphans() -> List[str]:
             qemu_pid, owner_pid = int(qemu_pid), int(owner_pid)
         except (OSError, ValueError):
             continue
-        if _alive(owner_pid):
+        if pid_alive(owner_pid):
             continue
         if _qemu_of_ours(qemu_pid):
             with contextlib.suppress(ProcessLookupError):

@@ -39,6 +39,8 @@ from typing import Dict, List, Optional
 from distlib.store.tcp import TCPStore
 from distlib.store.tcp import codec as proto
 from distlib.store.tcp.security import StoreSecurity
+from tests.fixtures.ports import free_port
+from tests.fixtures.procfs import memory_bytes
 
 MiB = 1024 * 1024
 #: CPUs of (the server and the good client, the attackers) with ``--pin``; None: no pinning.
@@ -50,12 +52,6 @@ def _pin(which: int) -> None:
         os.sched_setaffinity(0, PIN[which])
 TOKEN = "flood-probe-token-0123456789abcdef"
 HELLO = proto.validate() + proto.ping(1234)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -99,10 +95,7 @@ class Server:
                         security=StoreSecurity(self.token, ca=self.ca))
 
     def memory(self, field: str = "VmRSS") -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError(f"no {field} in /proc/{self.proc.pid}/status")
+        return memory_bytes(self.proc.pid, field)
 
     def log(self) -> str:
         return self.log_path.read_text()

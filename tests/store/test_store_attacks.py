@@ -29,6 +29,7 @@ from distlib.store.tcp import codec as proto
 from distlib.store.tcp.security import StoreSecurity
 from distlib.store.tcp.server import MAX_HELD_REQUESTS
 from tests.fixtures.ports import free_port
+from tests.fixtures.procfs import cpu_seconds, memory_bytes
 from tests.fixtures.sockets import closed_by_server, recv_exact
 
 MiB = 1024 * 1024
@@ -65,14 +66,10 @@ class Service:
                 time.sleep(0.1)
 
     def memory(self, field: str = "VmRSS") -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError(f"no {field} in /proc/{self.proc.pid}/status")
+        return memory_bytes(self.proc.pid, field)
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in clock ticks
+        return cpu_seconds(self.proc.pid)
 
     def log(self) -> str:
         self.log_file.flush()
