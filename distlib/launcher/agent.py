@@ -121,6 +121,9 @@ class Worker:
     proc: Optional[subprocess.Popen] = None
     pumps: List[Pump] = field(default_factory=list)
     stopped_by_us: Optional[str] = None
+    #: when its process exited (wall clock, from its reaper thread; None while it runs): the
+    #: elastic agents compare it across nodes to name the worker that failed first
+    exited_at: Optional[float] = None
 
     @property
     def name(self) -> str:
@@ -144,6 +147,7 @@ class Worker:
             list(self.argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=_child_setup(os.getpid()) if _PRCTL else None,
         )
+        threading.Thread(target=self._reap, name=f"distlib-run-reap-{self.local_rank}", daemon=True).start()
         prefix = self.output.prefix(self.global_rank, self.local_rank, self.role)
         for stream, pipe in ((STDOUT, self.proc.stdout), (STDERR, self.proc.stderr)):
             shown, path = self.output.destinations(stream, self.local_rank, self.attempt)
@@ -151,6 +155,11 @@ class Worker:
             pipe.close()
             self.pumps.append(Pump(fd, console_for(stream) if shown else None, prefix, path, stream == STDERR,
                                    f"distlib-run-{'out' if stream == STDOUT else 'err'}-{self.local_rank}").start())
+
+    def _reap(self) -> None:
+        """Wait for the process and note when it exited (poll() answers None until then)."""
+        self.proc.wait()
+        self.exited_at = time.time()
 
     def poll(self) -> Optional[int]:
         return self.proc.poll() if self.proc is not None else None

@@ -146,15 +146,26 @@ class ElasticAgent:
         self.workers = []
         self.running_round = None
 
+    def _report_failure(self, rounds: RoundStore) -> Optional[Worker]:
+        """The worker of this node that exited first with a failure, reported to the job as the
+        running round's cause (a restart, or — when another node restarted the round for a
+        worker that exited later — the first cause); None when none failed."""
+        failed = [w for w in self.workers if w.poll() not in (None, 0) and not w.stopped_by_us]
+        if not failed:
+            return None
+        now = time.time()
+        first = min(failed, key=lambda w: (w.exited_at or now, w.global_rank))
+        cause = f"worker failed: {first.name} on {self.info.describe()} {describe_status(first.poll())}"
+        at, for_round = first.exited_at or now, self.running_round
+        rounds.update(lambda s: R.restart(s, for_round, (cause,), at) if s else s)
+        return first
+
     def _check_workers(self, rounds: RoundStore) -> None:
         """One look at the workers: a failure asks for the next round, success finishes the node."""
         codes = [w.poll() for w in self.workers]
         failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
         if failed:
-            first = min(failed, key=lambda w: w.global_rank)
-            cause = f"worker failed: {first.name} on {self.info.describe()} {describe_status(first.poll())}"
-            for_round = self.running_round
-            rounds.update(lambda s: R.restart(s, for_round, (cause,)) if s else s)
+            first = self._report_failure(rounds) or failed[0]
             workers = self.workers
             self._stop()
             for w in failed:
@@ -271,6 +282,7 @@ class ElasticAgent:
                 self._check_workers(rounds)
                 time.sleep(p.monitor_interval)
             elif action.kind == "stop":
+                self._report_failure(rounds)  # this node's may have exited first
                 log.info("stopping this node's workers: %s", action.text)
                 self._stop()
             elif action.kind == "rejoin":
@@ -281,6 +293,9 @@ class ElasticAgent:
                 say(f"{action.text}; this node ({old}) comes back as a new node ({self.node}) and waits for the "
                     "next round")
             elif action.kind == "finish":
+                if action.status and self._report_failure(rounds) is not None:
+                    self._stop()  # the failure it reported may be the job's first: read the outcome again
+                    continue
                 return self._finish(rounds, state, action)
             else:  # wait
                 if now - said_at >= PROGRESS_S:

@@ -22,7 +22,10 @@ bound is dropped: from a running round that is a restart ("node lost"), from a j
 is no longer waited for.
 
 Restart causes are kept per round (the node lost first: it is usually why the workers failed),
-and every closed round is recorded, so a failure can list them all.
+and every closed round is recorded, so a failure can list them all. When workers fail on
+several nodes, the cause is the worker that **exited first** (each agent reports its worker's
+exit time), not the node whose agent looked first: a crash on one node makes its peers' workers
+fail a moment later, and naming one of those would send the user to the wrong rank.
 """
 
 from __future__ import annotations
@@ -81,8 +84,11 @@ class JobState:
     nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
     #: nodes that left or were lost, and why; a node id is never admitted again.
     gone: Mapping[str, str] = field(default_factory=dict)
-    #: why the current round exists.
+    #: why the current round exists (failed: why the job failed).
     causes: Tuple[str, ...] = ("start",)
+    #: when the worker exit that is the first of ``causes`` happened (wall clock; 0: no worker's
+    #: exit, e.g. a node lost): a report of an earlier exit in the same round goes before it.
+    cause_at: float = 0.0
     history: Tuple[RoundRecord, ...] = ()
     #: succeeded/failed: what happened, in words.
     outcome: str = ""
@@ -107,7 +113,7 @@ class JobState:
             "round": self.round, "phase": self.phase, "joined": self.joined, "expected": self.expected,
             "ranks": self.ranks, "waiting": self.waiting, "done": self.done,
             "nodes": {k: [v.name, v.addr, v.pid, v.nproc, v.hint] for k, v in self.nodes.items()},
-            "gone": dict(self.gone), "causes": self.causes,
+            "gone": dict(self.gone), "causes": self.causes, "cause_at": self.cause_at,
             "history": [[r.number, r.causes, r.nodes, r.world_size] for r in self.history],
             "outcome": self.outcome,
         }
@@ -126,7 +132,7 @@ class JobState:
                 expected=tuple(data["expected"]), ranks=tuple(data["ranks"]), waiting=tuple(data["waiting"]),
                 done=tuple(data["done"]),
                 nodes={k: NodeInfo(v[0], v[1], v[2], v[3], v[4]) for k, v in data["nodes"].items()},
-                gone=dict(data["gone"]), causes=tuple(data["causes"]),
+                gone=dict(data["gone"]), causes=tuple(data["causes"]), cause_at=float(data.get("cause_at", 0.0)),
                 history=tuple(RoundRecord(h[0], tuple(h[1]), tuple(h[2]), h[3]) for h in data["history"]),
                 outcome=data["outcome"],
             )
@@ -206,23 +212,42 @@ def fail(state: JobState, why: str) -> JobState:
     return replace(state, phase=FAILED, outcome=why)
 
 
-def restart(state: JobState, for_round: int, causes: Sequence[str]) -> JobState:
-    """The next round, for ``causes`` seen in round ``for_round`` (a no-op when that round is no
-    longer the running one: another node asked first). No restarts left, or a node already
-    finished: the job fails instead."""
+def restart(state: JobState, for_round: int, causes: Sequence[str], at: float = 0.0) -> JobState:
+    """The next round, for ``causes`` seen in round ``for_round``; ``at``: when the worker exit
+    they describe happened (0: not a worker's exit). No restarts left, or a node already
+    finished: the job fails instead. When another node asked first (the round is no longer the
+    running one), a no-op — unless it reported a worker exit later than ``at``: then ``causes``
+    go first (module docstring)."""
     if state.phase != RUNNING or state.round != for_round:
-        return state
-    why = "; ".join(causes)
-    if state.done:
-        finished = ", ".join(state.describe(n) for n in state.done)
-        return fail(state, f"{why} in round {state.round}, after node(s) {finished} had finished their workers "
-                           "(a round that has begun to finish is not restarted)")
-    if state.round >= state.max_restarts:
-        return fail(state, f"{why} in round {state.round}, and no restarts are left "
-                           f"(--max-restarts {state.max_restarts}: {state.round} used)")
+        return _earlier(state, for_round, tuple(causes), at)
+    if state.done or state.round >= state.max_restarts:
+        return replace(fail(state, _no_restart(state, "; ".join(causes))), causes=tuple(causes), cause_at=at)
     alive = tuple(n for n in state.ranks if n not in state.gone) + state.waiting
     return replace(state, round=state.round + 1, phase=JOINING, joined=(), expected=alive, waiting=(), done=(),
-                   causes=tuple(causes))
+                   causes=tuple(causes), cause_at=at)
+
+
+def _no_restart(state: JobState, why: str) -> str:
+    """Why a failure in the running round fails the job instead of restarting it."""
+    if state.done:
+        finished = ", ".join(state.describe(n) for n in state.done)
+        return (f"{why} in round {state.round}, after node(s) {finished} had finished their workers "
+                "(a round that has begun to finish is not restarted)")
+    return (f"{why} in round {state.round}, and no restarts are left "
+            f"(--max-restarts {state.max_restarts}: {state.round} used)")
+
+
+def _earlier(state: JobState, for_round: int, causes: Tuple[str, ...], at: float) -> JobState:
+    """A late report for round ``for_round`` of a worker exit at ``at``: first among the causes
+    when a worker exit later than it restarted (or failed) that round; otherwise no change."""
+    restarted = (state.phase == JOINING and state.round == for_round + 1) or \
+                (state.phase == FAILED and state.round == for_round)
+    if not (at and state.cause_at and at < state.cause_at and restarted):
+        return state
+    merged = causes + tuple(c for c in state.causes if c not in causes)
+    if state.phase == FAILED:
+        return replace(state, causes=merged, cause_at=at, outcome=_no_restart(state, "; ".join(merged)))
+    return replace(state, causes=merged, cause_at=at)
 
 
 def drop(state: JobState, node: str, why: str) -> JobState:

@@ -199,7 +199,10 @@ def test_a_worker_that_crashes_every_time_exhausts_max_restarts(cluster):
     assert "cluster: elastic: the job's rounds (3):" in err, err
     rounds = re.findall(r"^cluster:   round (\d): (.*) -> 3 node\(s\)", err, re.M)
     assert [r for r, _ in rounds] == ["0", "1", "2"], err
-    assert rounds[0][1] == "start" and all("worker failed: global rank 1" in cause for _, cause in rounds[1:]), rounds
+    # the cause is the worker that exited first (rank 1 crashes; its peers fail a moment later),
+    # whichever node's agent reported first
+    assert rounds[0][1] == "start", rounds
+    assert all(cause.startswith("worker failed: global rank 1 ") for _, cause in rounds[1:]), rounds
     assert "no restarts are left (--max-restarts 2: 2 used)" in err, err
     assert "RESULT: PASS" not in c.stdout
 

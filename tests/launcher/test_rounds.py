@@ -130,6 +130,43 @@ def test_a_second_report_of_the_same_failure_does_not_restart_twice():
     assert again.round == 1
 
 
+def test_the_worker_that_exited_first_is_the_cause_whichever_node_reported_first():
+    """A crash of rank 2 on node a (exit at t=100.0) makes rank 4 on node c fail at t=100.3;
+    node c's agent looks first. The round's cause must still be rank 2, then rank 4."""
+    state = running()
+    first = R.restart(state, 0, ("worker failed: rank 4 on c exited with code 1",), at=100.3)
+    assert first.round == 1 and first.causes == ("worker failed: rank 4 on c exited with code 1",)
+    late = R.restart(first, 0, ("worker failed: rank 2 on a exited with code 3",), at=100.0)
+    assert late.round == 1 and late.phase == R.JOINING, "a second report must not restart twice"
+    assert late.causes == ("worker failed: rank 2 on a exited with code 3",
+                           "worker failed: rank 4 on c exited with code 1"), late.causes
+    closed = R.close(joined(late, "a", "b", "c"))
+    assert R.rounds_text(closed)[1].startswith("round 1: worker failed: rank 2 on a exited with code 3; "
+                                               "worker failed: rank 4 on c"), R.rounds_text(closed)
+    # an exit later than the cause changes nothing; nor does any report for another round
+    assert R.restart(late, 0, ("worker failed: rank 5 on c",), at=100.5) is late
+    assert R.restart(late, 1, ("worker failed: rank 0 on b",), at=99.0).causes == late.causes
+
+
+def test_a_lost_node_stays_the_cause_when_a_worker_failure_is_reported_after_it():
+    """A node lost is not a worker's exit (no time): the workers that failed because of it do
+    not take its place, whenever they exited."""
+    lost = R.drop(running(), "c", "node lost: host-c: no heartbeat for 11 s")
+    assert R.restart(lost, 0, ("worker failed: rank 0 on a",), at=1.0).causes == lost.causes
+
+
+def test_the_failure_that_ends_the_job_names_the_worker_that_exited_first():
+    state = running(max_restarts=0)
+    failed = R.restart(state, 0, ("worker failed: rank 4 on c exited with code 1",), at=50.4)
+    assert failed.phase == R.FAILED and failed.outcome.startswith("worker failed: rank 4")
+    amended = R.restart(failed, 0, ("worker failed: rank 2 on a exited with code 3",), at=50.1)
+    assert amended.phase == R.FAILED
+    assert amended.outcome.startswith("worker failed: rank 2 on a exited with code 3; worker failed: rank 4 on c"), \
+        amended.outcome
+    assert amended.outcome.endswith("no restarts are left (--max-restarts 0: 0 used)"), amended.outcome
+    assert R.JobState.from_json(amended.to_json()) == amended
+
+
 def test_a_node_that_leaves_and_comes_back_at_once_costs_a_restart():
     """torch #147064: a quick leave-and-rejoin must not bypass --max-restarts. The new agent is
     a new node; the old one's silence (or its workers' failures) restarts the job, counted."""
