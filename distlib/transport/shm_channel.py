@@ -100,6 +100,12 @@ def _fields(word: int) -> tuple:
     return word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) - 1
 
 
+def _operation(word: int, count: int) -> tuple:
+    """(op, dtype, redop, count, root) of a descriptor word and count (frames.agree's form)."""
+    op, dtype, redop, root = _fields(word)
+    return op, dtype, redop, count, root
+
+
 def describe(word: int, count: int) -> str:
     op, dtype, _, root = _fields(word)
     return frames.describe(op, dtype, count, root)
@@ -205,7 +211,7 @@ class SmallChannel:
             at = row[j]
             if words[at] != stamp:
                 self._wait_for(j, at, stamp, word, count, policy or self.policy)
-            if words[at + 1] != word or words[at + 2] != count:
+            if words[at + 1] != word or words[at + 2] != count:  # (the rule's fast path: see _mismatch)
                 self._mismatch(j, words[at + 1], words[at + 2], word, count)
 
     def announce(self, stamp: int, word: int, count: int) -> None:
@@ -320,10 +326,11 @@ class SmallChannel:
         mesh.check_peer(j)
 
     def _mismatch(self, j: int, their_word: int, their_count: int, word: int, count: int) -> None:
-        theirs, mine = describe(their_word, their_count), describe(word, count)
-        why = frames.why_mismatched(_fields(word), _fields(their_word))
-        error = DistBackendError(
-            f"{self.mesh.label}: mismatched collective: rank {j} is in {theirs}, but this rank is in {mine}: {why}")
+        """Abort the group: rank ``j`` is in another operation than this rank's (a descriptor
+        word and count that are not this rank's: the channel carries no all_to_all, so two
+        ranks agree (frames.agree) exactly when both are equal)."""
+        error = DistBackendError(f"{self.mesh.label}: " + frames.disagreement(
+            f"rank {j}", _operation(their_word, their_count), _operation(word, count), verb="is in"))
         self.mesh.abort(error)
         raise error
 

@@ -58,7 +58,7 @@ from ..net import format_endpoint as endpoint
 from . import frames
 from .accept import Handshakes
 from .early import EarlyBuffers
-from .frames import ABORT, DATA, HEARTBEAT, HELLO, P2P
+from .frames import ABORT, DATA, HEARTBEAT, HELLO, P2P, agree, disagreement
 
 log = logging.getLogger("distlib.transport.tcp")
 
@@ -175,24 +175,14 @@ class Slot:
 
     def mismatch(self, op: int, dtype: int, redop: int, nbytes: int, count: int, peer: str) -> Optional[str]:
         """Why a frame cannot fill this slot, in a user's words, or None."""
-        if op == self.op and dtype == self.dtype and redop == self.redop and nbytes == self.nbytes and \
-                (count == self.count or op == _ALL_TO_ALL):
+        theirs, mine = (op, dtype, redop, count), (self.op, self.dtype, self.redop, self.count)
+        if nbytes == self.nbytes and agree(theirs, mine):
             return None
-        return _disagreement(peer, (op, dtype, redop, count), (self.op, self.dtype, self.redop, self.count),
-                             f" ({nbytes} bytes sent, {self.nbytes} expected)" if nbytes != self.nbytes else "")
+        return disagreement(peer, theirs, mine,
+                            f" ({nbytes} bytes sent, {self.nbytes} expected)" if nbytes != self.nbytes else "")
 
 
-_ALL_TO_ALL = frames.OPS["all_to_all"]
 _MONITORED_BARRIER = frames.OPS["monitored_barrier"]
-
-
-def _disagreement(peer: str, theirs: tuple, mine: tuple, detail: str = "", verb: str = "sent") -> str:
-    """The text of a mismatch: ``theirs``/``mine`` are (op, dtype, redop, count)."""
-    why = frames.why_mismatched(mine[:3], theirs[:3])
-    if why.endswith("sizes on different ranks"):
-        why += detail
-    return (f"mismatched collective: {peer} {verb} {frames.describe(theirs[0], theirs[1], theirs[3])}, "
-            f"but this rank is in {frames.describe(mine[0], mine[1], mine[3])}: {why}")
 
 
 def _behind(seq: int, current: int) -> bool:
@@ -460,9 +450,8 @@ class Mesh:
         _, op, dtype, redop, seq, _, count, _ = fields
         mine = current[1:]
         if seq == current[0]:
-            if (op, dtype, redop) == mine[:3] and (count == mine[3] or op == _ALL_TO_ALL):
-                return None
-            return _disagreement(conn.name(), (op, dtype, redop, count), mine)
+            theirs = (op, dtype, redop, count)
+            return None if agree(theirs, mine) else disagreement(conn.name(), theirs, mine)
         if _behind(seq, current[0]) and op != _MONITORED_BARRIER:  # a late arrival may follow a give-up
             return (f"mismatched collective: {conn.name()} sent {frames.describe(op, dtype, count)} for operation "
                     f"#{seq}, which this rank finished without it (it is in operation #{current[0]}, "
@@ -835,11 +824,9 @@ class Mesh:
         current = self.current
         if current is None or seq != current[0]:
             return
-        mine = current[1:]
-        if (op, dtype, redop) == mine[:3] and (count == mine[3] or op == _ALL_TO_ALL):
-            return
-        raise DistBackendError(f"{self.label}: " + _disagreement(conn.name(), (op, dtype, redop, count), mine,
-                                                               verb="is waiting in"))
+        theirs, mine = (op, dtype, redop, count), current[1:]
+        if not agree(theirs, mine):
+            raise DistBackendError(f"{self.label}: " + disagreement(conn.name(), theirs, mine, verb="is waiting in"))
 
     def _mismatch(self, slot: Slot, problem: str) -> None:
         """A frame does not fit the receive it matched: fail that receive (already taken out

@@ -351,3 +351,21 @@ def test_a_heartbeat_about_the_same_collective_is_no_mismatch(mesh_with_a_peer):
         mesh._read_frame(conn)
         mesh._read_frame(conn)
     assert mesh.error is None and conn.status == "waiting"
+
+
+def test_one_rule_says_whether_two_ranks_are_in_the_same_collective():
+    from distlib.transport import frames
+
+    all_reduce, all_to_all = frames.OPS["all_reduce"], frames.OPS["all_to_all"]
+    assert frames.agree((all_reduce, 11, 1, 5), (all_reduce, 11, 1, 5))
+    assert not frames.agree((all_reduce, 11, 1, 5), (all_reduce, 11, 1, 6))
+    assert frames.agree((all_to_all, 11, 0, 5), (all_to_all, 11, 0, 6))  # each rank's own share
+    assert not frames.agree((all_to_all, 12, 0, 5), (all_to_all, 11, 0, 5))
+    assert not frames.agree((all_reduce, 11, 1, 5, 0), (all_reduce, 11, 1, 5, 1))  # roots
+    assert frames.disagreement("rank 1 (h:1)", (all_reduce, 11, 1, 5), (all_reduce, 11, 1, 6), " (20 vs 24)") == (
+        "mismatched collective: rank 1 (h:1) sent all_reduce of 5 x float32, but this rank is in all_reduce of "
+        "6 x float32: the arrays have different sizes on different ranks (20 vs 24)")
+    assert frames.disagreement("rank 2", (frames.OPS["broadcast"], 11, 0, 5, 0), (frames.OPS["broadcast"], 11, 0, 5, 1),
+                               verb="is in") == (
+        "mismatched collective: rank 2 is in broadcast of 5 x float32 from rank 0, but this rank is in broadcast "
+        "of 5 x float32 from rank 1: the ranks passed different roots (src/dst)")
