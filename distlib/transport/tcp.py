@@ -15,7 +15,7 @@ Moving bytes (frames.py for the layout):
 * **Receives are posted** (a buffer and what is expected) and matched to incoming frames:
   DATA by ``(seq, step)``, P2P first-in-first-out per (peer, tag). A frame whose receive
   is already posted is read straight into that buffer (``recv_into``, no copy); one that
-  arrives early is kept until its receive is posted.
+  arrives early is kept until its receive is posted (matching.py holds those tables).
 * **Who reads:** the thread waiting for a frame reads the connection itself when no other
   thread is reading it (one wake-up, not two: a hand-off between threads costs ~100 µs on
   these VMs). A progress thread reads every other connection that has data, so a peer's
@@ -34,7 +34,6 @@ Moving bytes (frames.py for the layout):
 
 from __future__ import annotations
 
-import collections
 import errno
 import ipaddress
 import logging
@@ -45,7 +44,7 @@ import struct
 import threading
 import time
 from functools import partial
-from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import auth
 from ..busy_poll import BusyPoll
@@ -58,7 +57,8 @@ from ..net import format_endpoint as endpoint
 from . import frames
 from .accept import Handshakes
 from .early import EarlyBuffers
-from .frames import ABORT, DATA, HEARTBEAT, HELLO, P2P, agree, disagreement
+from .frames import ABORT, DATA, HEARTBEAT, HELLO, P2P
+from .matching import LOST, Matching, Slot
 
 log = logging.getLogger("distlib.transport.tcp")
 
@@ -132,64 +132,6 @@ class BlockedSend:
         self.what = what
 
 
-class Slot:
-    """A posted receive: where the payload goes and what the frame must look like."""
-
-    sending = False  # see BlockedSend
-
-    __slots__ = ("view", "kind", "op", "dtype", "redop", "nbytes", "count", "what",
-                 "event", "done", "error", "source", "conn", "seq")
-
-    def __init__(self, view: memoryview, kind: int, op: int, dtype: int, redop: int, count: int, what: str,
-                 seq: int = -1):
-        self.view = view
-        self.kind = kind
-        self.op = op
-        self.dtype = dtype
-        self.redop = redop
-        self.nbytes = view.nbytes
-        self.count = count
-        self.what = what
-        self.seq = seq  # the operation's number (DATA), for heartbeats
-        self.event = threading.Event()
-        self.done = False
-        self.error: Optional[BaseException] = None
-        self.source = -1
-        self.conn: Optional["PeerConnection"] = None
-
-    @property
-    def operation(self) -> Optional[Tuple[int, int, int, int, int]]:
-        """(op, dtype, redop, seq, count) of the collective this receive belongs to (heartbeats)."""
-        return (self.op, self.dtype, self.redop, self.seq & 0xFFFFFFFF, self.count) if self.seq >= 0 else None
-
-    def complete(self, source: int) -> None:
-        self.source = source
-        self.done = True
-        self.event.set()
-
-    def fail(self, error: BaseException) -> None:
-        if not self.done:
-            self.error = error
-            self.done = True
-            self.event.set()
-
-    def mismatch(self, op: int, dtype: int, redop: int, nbytes: int, count: int, peer: str) -> Optional[str]:
-        """Why a frame cannot fill this slot, in a user's words, or None."""
-        theirs, mine = (op, dtype, redop, count), (self.op, self.dtype, self.redop, self.count)
-        if nbytes == self.nbytes and agree(theirs, mine):
-            return None
-        return disagreement(peer, theirs, mine,
-                            f" ({nbytes} bytes sent, {self.nbytes} expected)" if nbytes != self.nbytes else "")
-
-
-_MONITORED_BARRIER = frames.OPS["monitored_barrier"]
-
-
-def _behind(seq: int, current: int) -> bool:
-    """Whether operation number ``seq`` (32 bits, wrapping) comes before ``current``."""
-    return 0 < ((current - seq) & 0xFFFFFFFF) < (1 << 31)
-
-
 class PeerConnection:
     """The connection to one peer; frames are read by whoever holds ``read_lock``."""
 
@@ -201,10 +143,6 @@ class PeerConnection:
         self.send_lock = threading.Lock()
         self.read_lock = threading.Lock()
         self.failed: Optional[DistBackendError] = None
-        self.posted: Dict[Tuple[int, int], Slot] = {}
-        self.unexpected: Dict[Tuple[int, int], Tuple[tuple, bytearray]] = {}
-        self.p2p_posted: Dict[int, Deque[Slot]] = collections.defaultdict(collections.deque)
-        self.p2p_unexpected: Dict[int, Deque[Tuple[tuple, bytearray]]] = collections.defaultdict(collections.deque)
         self.header = bytearray(frames.HEADER_SIZE)
         self.last_heard = time.monotonic()
         self.status = ""  # what the peer said it waits for (HEARTBEAT)
@@ -234,14 +172,12 @@ class Mesh:
         self.label = label
         self.conns: List[Optional[PeerConnection]] = [None] * size
         self.by_fd: Dict[int, PeerConnection] = {}
-        self.match_lock = threading.Lock()
-        self.any_p2p: Dict[int, Deque[Slot]] = collections.defaultdict(collections.deque)
+        #: Posted receives and the frames that came before theirs (matching.py)
+        self.matching = Matching(size, self._name_of)
         self.early = EarlyBuffers()  # frames that arrive before their receive is posted
         self.error: Optional[DistBackendError] = None
         self.closed = False
         self.listener: Optional[socket.socket] = None
-        #: (seq, op, dtype, redop, count) of the operation this rank is in on this mesh (see begin)
-        self.current: Optional[Tuple[int, int, int, int, int]] = None
         # what threads are blocked on (receives, and sends the peer does not read): for heartbeats
         self.waits: Dict[int, Tuple[Union[Slot, BlockedSend], float]] = {}
         # connections a waiting thread has read and not re-armed (see rearm_due)
@@ -417,47 +353,19 @@ class Mesh:
     # -- receiving -------------------------------------------------------------------------------
 
     def begin(self, seq: int, op: int, dtype: int, redop: int, count: int) -> None:
-        """This rank starts collective ``seq`` on this mesh. From now on any DATA frame of
-        ``seq`` that describes another operation, and any of an earlier ``seq`` (this rank
-        is done with it: nobody should still send it anything), is a mismatch, whatever
-        step it is for and whether or not its receive is posted: ranks whose algorithm never
-        sends them a frame from the odd rank out still learn of it from those that do. Frames
-        that arrived before this call are checked now."""
+        """This rank starts collective ``seq`` on this mesh (Matching.begin): a frame that
+        arrived before this call and contradicts it aborts the group now."""
         if self.error is not None:
             raise self.error  # the cause, not the frames its abort left unread
-        current = (seq & 0xFFFFFFFF, op, dtype, redop, count)
-        stale = None
-        with self.match_lock:
-            self.current = current
-            for conn in self.conns:
-                if conn is not None and conn.unexpected:
-                    for fields, _ in conn.unexpected.values():
-                        problem = self._against_current(conn, fields)
-                        if problem:
-                            stale = problem
-                            break
+        stale = self.matching.begin(seq, op, dtype, redop, count)
         if stale:
             error = DistBackendError(f"{self.label}: {stale}")
             self.abort(error)
             raise error
 
-    def _against_current(self, conn: PeerConnection, fields: tuple) -> Optional[str]:
-        """Why a DATA frame that no posted receive took contradicts the operation this rank
-        is in (or has finished), or None. Call with match_lock held."""
-        current = self.current
-        if current is None or self.error is not None:
-            return None
-        _, op, dtype, redop, seq, _, count, _ = fields
-        mine = current[1:]
-        if seq == current[0]:
-            theirs = (op, dtype, redop, count)
-            return None if agree(theirs, mine) else disagreement(conn.name(), theirs, mine)
-        if _behind(seq, current[0]) and op != _MONITORED_BARRIER:  # a late arrival may follow a give-up
-            return (f"mismatched collective: {conn.name()} sent {frames.describe(op, dtype, count)} for operation "
-                    f"#{seq}, which this rank finished without it (it is in operation #{current[0]}, "
-                    f"{frames.describe(mine[0], mine[1], mine[3])}): the ranks called different collectives "
-                    f"(or the same ones in a different order)")
-        return None
+    def _name_of(self, peer: int) -> str:
+        conn = self.conns[peer]
+        return conn.name() if conn is not None else f"rank {peer}"
 
     def post_data(self, peer: int, seq: int, step: int, view: memoryview, op: int, dtype: int, redop: int,
                   count: int, what: str) -> Slot:
@@ -465,49 +373,29 @@ class Mesh:
         conn = self._conn(peer, what)
         slot = Slot(view, DATA, op, dtype, redop, count, what, seq)
         slot.conn = conn
-        key = (seq & 0xFFFFFFFF, step & 0xFFFFFFFF)
-        # Data that already arrived is good even if the peer has since closed (it finished).
-        with self.match_lock:
-            early = conn.unexpected.pop(key, None)
-            if early is None:
-                if conn.failed is None:
-                    conn.posted[key] = slot
-                    return slot
-        if early is None:
+        kept = self.matching.post_data(peer, seq, step, slot)
+        if kept is None:
+            return slot
+        if kept is LOST:
             self._check(conn)
-        self._fill_from_early(conn, slot, *early)
+        self._fill_from_early(conn, slot, *kept)
         return slot
 
     def post_p2p(self, peer: int, tag: int, view: memoryview, dtype: int, count: int, what: str) -> Slot:
         """Post a point-to-point receive from ``peer`` (or ANY_SOURCE) with ``tag``."""
         slot = Slot(view, P2P, frames.OPS["send"], dtype, 0, count, what)
-        tag &= 0xFFFFFFFF
         if self.error is not None:
             raise self.error
         self.rearm_due()  # the progress thread fills it if nobody waits (irecv + is_completed)
-        with self.match_lock:
-            if peer == ANY_SOURCE:
-                for conn in self.conns:
-                    if conn is not None and conn.p2p_unexpected.get(tag):
-                        early = conn.p2p_unexpected[tag].popleft()
-                        break
-                else:
-                    self.any_p2p[tag].append(slot)
-                    return slot
-            else:
-                conn = self._conn(peer, what)
-                slot.conn = conn
-                queue = conn.p2p_unexpected.get(tag)
-                if not queue:
-                    if conn.failed is None:
-                        conn.p2p_posted[tag].append(slot)
-                        return slot
-                    early = None
-                else:
-                    early = queue.popleft()
-        if early is None:
-            self._check(conn)
-        self._fill_from_early(conn, slot, *early)
+        if peer != ANY_SOURCE:
+            slot.conn = self._conn(peer, what)
+        found = self.matching.post_p2p(None if peer == ANY_SOURCE else peer, tag, slot)
+        if found is None:
+            return slot
+        if found is LOST:
+            self._check(slot.conn)
+        source, kept = found
+        self._fill_from_early(self.conns[source], slot, *kept)
         return slot
 
     def _fill_from_early(self, conn: PeerConnection, slot: Slot, header: tuple, data: bytearray) -> None:
@@ -606,11 +494,8 @@ class Mesh:
         conn = slot.conn
         while not slot.done:
             if deadline.expired():
-                with self.match_lock:
-                    for key, posted in list(conn.posted.items()) if conn is not None else ():
-                        if posted is slot:
-                            del conn.posted[key]
-                            return False
+                if conn is not None and self.matching.withdraw(conn.peer, slot):
+                    return False
                 # not posted any more: a reader is filling it right now
             if conn is not None and conn.read_lock.acquire(blocking=False):
                 try:
@@ -762,8 +647,9 @@ class Mesh:
                 self._recv_into(conn, memoryview(text), "a heartbeat")
                 conn.status = text.decode("utf-8", "replace")
                 conn.status_time = conn.last_heard
-                if op:
-                    self._check_waiter(conn, fields)
+                problem = self.matching.waiting_in(conn.peer, fields) if op else None
+                if problem:
+                    raise DistBackendError(f"{self.label}: {problem}")
                 return
             if kind == ABORT:
                 text = bytearray(nbytes)
@@ -776,9 +662,10 @@ class Mesh:
                 return
             if kind not in (DATA, P2P):
                 raise DistBackendError(f"{self.label}: {conn.name()} sent an unknown frame kind {kind}")
-            with self.match_lock:
-                slot = self._take_slot(conn, kind, seq, step)
+            slot = self.matching.take(conn.peer, kind, seq, step)
             if slot is not None:
+                if slot.conn is None:
+                    slot.conn = conn  # a receive from any source
                 problem = slot.mismatch(op, dtype, redop, nbytes, count, conn.name())
                 if problem:
                     self._mismatch(slot, problem)
@@ -790,17 +677,13 @@ class Mesh:
             data = self.early.take(nbytes)
             if nbytes:
                 self._recv_into(conn, memoryview(data), "an early frame")
-            with self.match_lock:
-                slot = self._take_slot(conn, kind, seq, step)
-                if slot is None:
-                    if kind == DATA:
-                        problem = self._against_current(conn, fields)
-                        if problem:
-                            raise DistBackendError(f"{self.label}: {problem}")
-                        conn.unexpected[(seq, step)] = (fields, data)
-                    else:
-                        conn.p2p_unexpected[seq].append((fields, data))
-                    return
+            slot, problem = self.matching.arrive(conn.peer, fields, data)
+            if slot is None:
+                if problem:
+                    raise DistBackendError(f"{self.label}: {problem}")
+                return
+            if slot.conn is None:
+                slot.conn = conn
             problem = slot.mismatch(op, dtype, redop, nbytes, count, conn.name())
             if problem:
                 self._mismatch(slot, problem)
@@ -816,18 +699,6 @@ class Mesh:
                 self.abort(error)
             # else: _peer_lost failed whatever else waited on that connection; others go on
 
-    def _check_waiter(self, conn: PeerConnection, fields: tuple) -> None:
-        """A heartbeat from a peer blocked in collective ``seq``: if this rank is in the same
-        collective number but another collective, neither may ever send the other a frame
-        (each waits on a third rank, or on the other): say so now, on every rank."""
-        _, op, dtype, redop, seq, _, count, _ = fields
-        current = self.current
-        if current is None or seq != current[0]:
-            return
-        theirs, mine = (op, dtype, redop, count), current[1:]
-        if not agree(theirs, mine):
-            raise DistBackendError(f"{self.label}: " + disagreement(conn.name(), theirs, mine, verb="is waiting in"))
-
     def _mismatch(self, slot: Slot, problem: str) -> None:
         """A frame does not fit the receive it matched: fail that receive (already taken out
         of the table) and abort the mesh, so every rank learns why. The frame's payload stays
@@ -835,19 +706,6 @@ class Mesh:
         error = DistBackendError(f"{self.label}: {problem}")
         slot.fail(error)
         self.abort(error)
-
-    def _take_slot(self, conn: PeerConnection, kind: int, seq: int, step: int) -> Optional[Slot]:
-        if kind == DATA:
-            return conn.posted.pop((seq, step), None)
-        queue = conn.p2p_posted.get(seq)
-        if queue:
-            return queue.popleft()
-        queue = self.any_p2p.get(seq)
-        if queue:
-            slot = queue.popleft()
-            slot.conn = conn
-            return slot
-        return None
 
     # -- the progress thread ---------------------------------------------------------------------
 
@@ -966,14 +824,10 @@ class Mesh:
             f"{self.label}: {conn.name()} {cause} while rank {self.rank} was {doing}: "
             f"rank {conn.peer} died, was killed, or destroyed its process group")
         error.connection_lost = True  # only that connection is gone (see _read_frame)
-        with self.match_lock:
+        with self.matching.lock:
             if conn.failed is None:
                 conn.failed = error
-            slots = list(conn.posted.values())
-            conn.posted.clear()
-            for queue in conn.p2p_posted.values():
-                slots.extend(queue)
-            conn.p2p_posted.clear()
+            slots = self.matching.drain_peer(conn.peer)
         log.debug("%s", error)
         for slot in slots:
             slot.fail(conn.failed)
@@ -997,22 +851,11 @@ class Mesh:
         A rank that receives an ABORT forwards it too, before it can close anything: each
         connection delivers in order, so every rank reads the original reason before it could
         see any connection close because another rank gave up (the reason, not a symptom)."""
-        with self.match_lock:
+        with self.matching.lock:
             if self.error is not None:
                 return
             self.error = error
-            slots: List[Slot] = []
-            for conn in self.conns:
-                if conn is None:
-                    continue
-                slots.extend(conn.posted.values())
-                conn.posted.clear()
-                for queue in conn.p2p_posted.values():
-                    slots.extend(queue)
-                conn.p2p_posted.clear()
-            for queue in self.any_p2p.values():
-                slots.extend(queue)
-            self.any_p2p.clear()
+            slots = self.matching.drain_all()
         log.error("%s: aborting: %s", self.label, error)
         data = message.encode("utf-8")
         frame = frames.pack(ABORT, 0, 0, 0, origin, 0, 0, len(data)) + data
@@ -1058,7 +901,8 @@ class Mesh:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.early.clear()
-        with self.match_lock:
+        with self.matching.lock:
             if self.error is None:
                 self.error = DistBackendError(f"{self.label}: the process group was destroyed")
+            self.matching.settled = True
         self._troubled()
