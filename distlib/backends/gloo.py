@@ -46,7 +46,8 @@ from ..transport import address as addr
 from ..transport import frames
 from ..transport import shm_channel, shm_wait
 from ..transport.shm_channel import SmallChannel
-from ..transport.tcp import ANY_SOURCE, Mesh, crowded_receive_buffer
+from ..transport.connection import crowded_receive_buffer
+from ..transport.tcp import ANY_SOURCE, Mesh
 from . import cuda_staging
 from .base import CommBackend, RecvHandle
 from .join import local_facts, publish_and_gather
@@ -197,7 +198,7 @@ class GlooBackend(CommBackend):
     def _receive_buffers(records, host_id: str) -> List[int]:
         """Per peer: SO_RCVBUF for a peer on this machine (same kernel) when the machine runs
         more ranks than this process has CPUs; 0 (autotuning) otherwise (see
-        transport.tcp.crowded_receive_buffer)."""
+        transport.connection.crowded_receive_buffer)."""
         here = GlooBackend._on_this_machine(records, host_id)
         size = crowded_receive_buffer(sum(here), usable_cpus())
         return [size if same else 0 for same in here]
@@ -234,7 +235,8 @@ class GlooBackend(CommBackend):
         if segment is None:
             return
         policy = shm_wait.decide(self.size, usable_cpus())
-        self.small = SmallChannel(segment, self.rank, self.size, slot, self.meshes[0], policy, self.timeout_s)
+        self.small = SmallChannel(segment, self.rank, self.size, slot, self.meshes[0].health, policy,
+                                  self.timeout_s)
         log.debug("%s: rank %d: small collectives through shared memory, %s", self.label, self.rank,
                   shm_wait.description(policy))
 

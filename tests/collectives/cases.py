@@ -434,7 +434,7 @@ def world_info(rank, ws):
         "rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
         "initialized": dist.is_initialized(), "world_is_default": dist.GroupMember.WORLD is get_default_group(),
         # after every test that ran on this pool before: the progress threads must still be up
-        "progress_threads_alive": all(m._progress is None or m._progress.is_alive() for m in meshes),
+        "progress_threads_alive": all(m.progress.alive() for m in meshes),
     }
 
 

@@ -269,7 +269,7 @@ def mesh_with_a_peer():
 
     mine, theirs = socket.socketpair()
     mesh = Mesh(0, 2, 5.0, 1, "test")
-    mesh._add(1, mine, "peer:1")
+    mesh.add_connection(1, mine, "peer:1")
     yield mesh, mesh.conns[1], theirs
     mesh.close()
     theirs.close()
@@ -334,7 +334,7 @@ def test_a_heartbeat_from_a_peer_waiting_in_another_collective_aborts(mesh_with_
     text = b"waiting 2s for broadcast of 10 x float32 from rank 0"
     theirs.sendall(frames.pack(frames.HEARTBEAT, frames.OPS["broadcast"], 11, 0, 4, 0, 10, len(text)) + text)
     with conn.read_lock:
-        mesh._read_frame(conn)
+        mesh.read_frame(conn)
     assert mesh.error is not None and "rank 1 (peer:1) is waiting in broadcast of 10 x float32, but this rank " \
                                       "is in all_reduce of 10 x float32" in str(mesh.error), mesh.error
 
@@ -348,8 +348,8 @@ def test_a_heartbeat_about_the_same_collective_is_no_mismatch(mesh_with_a_peer):
     theirs.sendall(frames.pack(frames.HEARTBEAT, frames.OPS["all_reduce"], 11, 1, 4, 0, 10, len(text)) + text)
     theirs.sendall(frames.pack(frames.HEARTBEAT, frames.OPS["broadcast"], 11, 0, 3, 0, 10, len(text)) + text)
     with conn.read_lock:
-        mesh._read_frame(conn)
-        mesh._read_frame(conn)
+        mesh.read_frame(conn)
+        mesh.read_frame(conn)
     assert mesh.error is None and conn.status == "waiting"
 
 
