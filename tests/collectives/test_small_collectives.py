@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from distlib.backends.gloo import small_slot_bytes
+from distlib.backends.gloo_setup import small_slot_bytes
 from distlib.transport import shm_channel, shm_wait
 
 from . import cases, small_cases
