@@ -4,9 +4,10 @@ It is not Facebook's gloo (a pure-Python backend cannot join a gloo group; it on
 store); it does the same job: a full TCP mesh between the group's ranks (transport/tcp.py),
 shared memory between ranks of one host (transport/shm.py), and an algorithm per collective
 and size (algorithms/). Setting up is backends/gloo_setup.py; this module routes each
-collective: through the small-collective channel (transport/shm_channel.py) when every
-rank's part fits its slot, all_reduce of large arrays through a shared segment set up on its
-first use (backends/shared_segments.py), everything else over the mesh.
+collective by its route table (backends/gloo_routes.py): through the small-collective channel
+(transport/shm_channel.py) when every rank's part fits its slot, all_reduce of large arrays
+through a shared segment set up on its first use (backends/shared_segments.py), everything
+else over the mesh.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import numpy as np
 from .. import settings
 from ..algorithms import gather as gather_algos
 from ..algorithms import p2p
-from ..algorithms import reduce as reduce_algos
-from ..algorithms import shm_small
 from ..algorithms.context import Label, OpContext, bview
 from ..algorithms.shm_allreduce import ShmAllReduce
 from ..arrays import DTYPE_CODES as _DTYPES
@@ -36,6 +35,7 @@ from ..transport.shm_channel import SmallChannel
 from ..transport.tcp import Mesh
 from . import cuda_staging
 from .base import CommBackend, RecvHandle
+from . import gloo_routes as routes
 from .gloo_setup import connect_group, small_channel
 from .shared_segments import LargeSegment, agree_on_segment
 
@@ -46,10 +46,7 @@ log = logging.getLogger("distlib.backends.gloo")
 SHM_MIN_BYTES = 256 << 10
 #: Bytes per rank per round in the shared segment.
 SHM_SLOT_BYTES = 8 << 20
-_ALL_REDUCE, _BROADCAST, _REDUCE = frames.OPS["all_reduce"], frames.OPS["broadcast"], frames.OPS["reduce"]
-_ALL_GATHER, _GATHER, _SCATTER = frames.OPS["all_gather"], frames.OPS["gather"], frames.OPS["scatter"]
-_REDUCE_SCATTER = frames.OPS["reduce_scatter"]
-_BARRIER_WORD = shm_channel.descriptor(frames.OPS["barrier"], 0, 0, -1)
+_ALL_REDUCE = frames.OPS["all_reduce"]
 
 
 class _P2PRecv(RecvHandle):
@@ -82,7 +79,8 @@ class GlooBackend(CommBackend):
         try:
             self.records, self.all_local, self.crowded = connect_group(
                 store, rank, size, self.timeout_s, label, Deadline(self.timeout_s), self.meshes)
-            self.small = small_channel(self._ctx, rank, size, self.timeout_s, label, self.meshes[0], self.all_local)
+            self.small = small_channel(self.op_context, rank, size, self.timeout_s, label, self.meshes[0],
+                                       self.all_local)
         except BaseException:
             self.shutdown()
             raise
@@ -99,10 +97,10 @@ class GlooBackend(CommBackend):
         segment once set up), "off" (it cannot), "unset" (no channel, and no large all_reduce yet)."""
         return "on" if self.small is not None else self.large.state
 
-    # -- helpers ---------------------------------------------------------------------------------
+    # -- what the routes use (gloo_routes.py) ----------------------------------------------------
 
-    def _ctx(self, op_name: str, array: Optional[np.ndarray], redop: Optional[ReduceOp], what: str,
-             *args, root: int = -1, announce: bool = True) -> OpContext:
+    def op_context(self, op_name: str, array: Optional[np.ndarray], redop: Optional[ReduceOp], what: str,
+                   *args, root: int = -1, announce: bool = True) -> OpContext:
         """The next operation's context, for an operation that goes over the mesh (and, in a
         group with a small-collective channel, announced there: see shm_channel).
         ``what.format(*args)`` names it in errors (formatted only then)."""
@@ -119,17 +117,13 @@ class GlooBackend(CommBackend):
         return OpContext(mesh, seq, op_name, dtype, redop_code, count, Deadline(self.timeout_s),
                          Label(what + " (op #{})", *args, seq))
 
-    def _next_small(self, nbytes: int) -> int:
-        """The operation number of the next operation if it goes through the small channel
-        (``nbytes``: what each rank's slot must hold), else -1."""
-        small = self.small
-        if small is None or nbytes > small.slot_bytes:
-            return -1
+    def take_seq(self) -> int:
+        """The next operation's number, taken (an operation through the small channel)."""
         seq = self.seq
         self.seq = seq + 1
         return seq
 
-    def _reduction(self, code: int, op: ReduceOp, dtype: np.dtype, root: int = -1) -> Tuple[int, Any]:
+    def reduction(self, code: int, op: ReduceOp, dtype: np.dtype, root: int = -1) -> Tuple[int, Any]:
         """(descriptor word, ufunc) of a reduction through the channel, kept: working them out
         costs about a tenth of a small all_reduce."""
         key = (code, op.op, dtype, root)
@@ -139,33 +133,28 @@ class GlooBackend(CommBackend):
             found = self._reductions[key] = (word, kernel(op, dtype))
         return found
 
-    @staticmethod
-    def _flat(array: np.ndarray) -> np.ndarray:
-        return array.reshape(-1)
+    # -- collectives: each goes the way its route table says (gloo_routes.py) --------------------
 
-    # -- collectives -----------------------------------------------------------------------------
+    def route(self, nbytes: int, segment_for: Optional[Tuple[np.ndarray, ReduceOp]] = None) -> str:
+        """Where the next collective goes, each rank's part being ``nbytes``: SMALL when the
+        small channel holds it, SEGMENT for an all_reduce (``segment_for``: its array and op)
+        that the large shared segment takes, else MESH."""
+        small = self.small
+        if small is not None and nbytes <= small.slot_bytes:
+            return routes.SMALL
+        if segment_for is not None and self._use_segment(*segment_for):
+            return routes.SEGMENT
+        return routes.MESH
 
     def all_reduce(self, array: np.ndarray, op: ReduceOp) -> None:
         flat = array.reshape(-1)
         if op.factor is not None:
             flat[...] = prepare_input(op, flat)
-        if self.size == 1:
-            return finish(op, flat, 1)
-        seq = self._next_small(flat.nbytes)
-        if seq >= 0:
-            word, combine = self._reduction(_ALL_REDUCE, op, flat.dtype)
-            shm_small.all_reduce(self.small, seq, flat, combine, word)
-        elif self._use_shm(flat, op):
-            # its barriers go through the channel (if any): an operation of the channel, not announced
-            ctx = self._ctx("all_reduce", flat, op, "all_reduce of {} x {}", flat.size, flat.dtype, announce=False)
-            self.large.all_reduce.run(ctx, flat, op, self.small)
-        else:
-            ctx = self._ctx("all_reduce", flat, op, "all_reduce of {} x {}", flat.size, flat.dtype)
-            algorithm = reduce_algos.choose_all_reduce(flat.nbytes, self.size, self.crowded)
-            reduce_algos.ALL_REDUCE[algorithm](ctx, flat, op)
+        if self.size > 1:
+            routes.ALL_REDUCE[self.route(flat.nbytes, (flat, op))](self, flat, op)
         finish(op, flat, self.size)
 
-    def _use_shm(self, flat: np.ndarray, op: ReduceOp) -> bool:
+    def _use_segment(self, flat: np.ndarray, op: ReduceOp) -> bool:
         """Whether a large all_reduce goes through the shared segment (set up on first use,
         before the operation's own context is made: the setup is operations of its own)."""
         least = self.small.slot_bytes + 1 if self.small is not None else SHM_MIN_BYTES
@@ -175,149 +164,70 @@ class GlooBackend(CommBackend):
             if self.small is not None:  # a rank waiting in the channel sees the all_reduce, not the setup
                 word = shm_channel.descriptor(_ALL_REDUCE, _DTYPES.get(flat.dtype, 0), op.code, -1)
                 self.small.announce(shm_channel.stamp(self.seq), word, flat.size)
-            segment = agree_on_segment(partial(self._ctx, announce=False), self.rank,
+            segment = agree_on_segment(partial(self.op_context, announce=False), self.rank,
                                        ShmAllReduce.bytes_needed(self.size, SHM_SLOT_BYTES), "large all_reduce",
                                        self.label)
             self.large.set_up(segment, self.size, SHM_SLOT_BYTES)
         return self.large.all_reduce is not None
 
     def broadcast(self, array: np.ndarray, root: int) -> None:
-        flat = array.reshape(-1)
-        if self.size == 1:
-            return
-        seq = self._next_small(flat.nbytes)
-        if seq >= 0:
-            word = shm_channel.descriptor(_BROADCAST, _DTYPES.get(flat.dtype, 0), 0, root)
-            shm_small.broadcast(self.small, seq, flat, root, word)
-            return
-        ctx = self._ctx("broadcast", flat, None, "broadcast of {} x {} from rank {}", flat.size, flat.dtype, root,
-                        root=root)
-        gather_algos.broadcast(ctx, flat, root)
+        if self.size > 1:
+            flat = array.reshape(-1)
+            routes.BROADCAST[self.route(flat.nbytes)](self, flat, root)
 
     def reduce(self, array: np.ndarray, root: int, op: ReduceOp) -> None:
-        flat = self._flat(array)
+        flat = array.reshape(-1)
         work = prepare_input(op, flat) if op.factor is not None else flat
         if self.size > 1:
-            seq = self._next_small(flat.nbytes)
-            if seq >= 0:
-                word, combine = self._reduction(_REDUCE, op, flat.dtype, root)
-                if self.rank == root and work is not flat:
-                    flat[...] = work
-                    work = flat
-                shm_small.reduce(self.small, seq, work, root, combine, word)
-            else:
-                ctx = self._ctx("reduce", flat, op, "reduce of {} x {} to rank {}", flat.size, flat.dtype, root,
-                                root=root)
-                if work is flat and self.rank != root:
-                    work = flat.copy()
-                if flat.nbytes * (self.size - 1) <= (256 << 10):
-                    reduce_algos.direct_reduce(ctx, work, root, op)
-                else:
-                    reduce_algos.ring_reduce(ctx, work, root, op)
+            work = routes.REDUCE[self.route(flat.nbytes)](self, flat, work, root, op)
         if self.rank == root:
             if work is not flat:
                 flat[...] = work
             finish(op, flat, self.size)
 
     def all_gather(self, outputs: Sequence[np.ndarray], array: np.ndarray) -> None:
-        if self.size > 1:
-            seq = self._next_small(array.nbytes)
-            if seq >= 0:
-                word = shm_channel.descriptor(_ALL_GATHER, _DTYPES.get(array.dtype, 0), 0, -1)
-                shm_small.all_gather(self.small, seq, [o.reshape(-1) for o in outputs], array.reshape(-1), word)
-                return
-        ctx = self._ctx("all_gather", array, None, "all_gather of {} x {}", array.size, array.dtype)
-        gather_algos.all_gather(ctx, outputs, array)
+        routes.ALL_GATHER[self.route(array.nbytes)](self, outputs, array)
 
     def all_gather_into(self, output: np.ndarray, array: np.ndarray) -> None:
-        flat = self._flat(output)
-        parts = [flat[k * array.size:(k + 1) * array.size] for k in range(self.size)]
-        self.all_gather(parts, array)
+        flat = output.reshape(-1)
+        self.all_gather([flat[k * array.size:(k + 1) * array.size] for k in range(self.size)], array)
 
     def gather(self, outputs, array: np.ndarray, root: int) -> None:
-        if self.size > 1:
-            seq = self._next_small(array.nbytes)
-            if seq >= 0:
-                word = shm_channel.descriptor(_GATHER, _DTYPES.get(array.dtype, 0), 0, root)
-                flat_outputs = [o.reshape(-1) for o in outputs] if outputs is not None else None
-                shm_small.gather(self.small, seq, flat_outputs, array.reshape(-1), root, word)
-                return
-        ctx = self._ctx("gather", array, None, "gather of {} x {} to rank {}", array.size, array.dtype, root,
-                        root=root)
-        gather_algos.gather(ctx, outputs, array, root)
+        routes.GATHER[self.route(array.nbytes)](self, outputs, array, root)
 
     def scatter(self, output: np.ndarray, inputs, root: int) -> None:
-        if self.size > 1:
-            seq = self._next_small(output.nbytes * self.size)
-            if seq >= 0:
-                word = shm_channel.descriptor(_SCATTER, _DTYPES.get(output.dtype, 0), 0, root)
-                pieces = [i.reshape(-1) for i in inputs] if inputs is not None else None
-                shm_small.scatter(self.small, seq, output.reshape(-1), pieces, root, word)
-                return
-        ctx = self._ctx("scatter", output, None, "scatter of {} x {} from rank {}", output.size, output.dtype, root,
-                        root=root)
-        gather_algos.scatter(ctx, output, inputs, root)
-
-    def _small_reduce_scatter(self, parts: List[np.ndarray], output: np.ndarray, op: ReduceOp) -> bool:
-        seq = self._next_small(output.nbytes * self.size) if self.size > 1 else -1
-        if seq < 0:
-            return False
-        word, combine = self._reduction(_REDUCE_SCATTER, op, output.dtype)
-        shm_small.reduce_scatter(self.small, seq, parts, output.reshape(-1), combine, word)
-        finish(op, output.reshape(-1), self.size)
-        return True
+        routes.SCATTER[self.route(output.nbytes * self.size)](self, output, inputs, root)
 
     def reduce_scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray], op: ReduceOp) -> None:
         parts = [prepare_input(op, a.reshape(-1)) for a in inputs]
-        if self._small_reduce_scatter(parts, output, op):
-            return
-        ctx = self._ctx("reduce_scatter", output, op, "reduce_scatter of {} x {}", output.size, output.dtype)
-        reduce_algos.direct_reduce_scatter(ctx, parts, output, op)
+        routes.REDUCE_SCATTER[self.route(output.nbytes * self.size)](self, output, parts, op)
         finish(op, output.reshape(-1), self.size)
 
     def reduce_scatter_into(self, output: np.ndarray, array: np.ndarray, op: ReduceOp) -> None:
-        flat = self._flat(array)
-        m = output.size
-        if self.small is not None and output.nbytes * self.size <= self.small.slot_bytes:
-            parts = [prepare_input(op, flat[k * m:(k + 1) * m]) for k in range(self.size)]
-            if self._small_reduce_scatter(parts, output, op):
-                return
-        ctx = self._ctx("reduce_scatter", output, op, "reduce_scatter of {} x {}", output.size, output.dtype)
-        if output.nbytes * (self.size - 1) <= (256 << 10):
-            parts = [prepare_input(op, flat[k * m:(k + 1) * m]) for k in range(self.size)]
-            reduce_algos.direct_reduce_scatter(ctx, parts, output, op)
-        else:
-            work = prepare_input(op, flat)
-            work = work.copy() if work is flat else work
-            reduce_algos.ring_reduce_scatter_into(ctx, work, output, op)
+        routes.REDUCE_SCATTER_INTO[self.route(output.nbytes * self.size)](self, output, array.reshape(-1), op)
         finish(op, output.reshape(-1), self.size)
 
     def all_to_all(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray]) -> None:
         ref = inputs[0] if inputs else None
-        ctx = self._ctx("all_to_all", ref, None, "all_to_all")
+        ctx = self.op_context("all_to_all", ref, None, "all_to_all")
         gather_algos.all_to_all(ctx, [bview(o) for o in outputs], [bview(i) for i in inputs])
 
     def all_to_all_single(self, output: np.ndarray, array: np.ndarray,
                           output_splits: List[int], input_splits: List[int]) -> None:
-        ctx = self._ctx("all_to_all", array, None, "all_to_all_single")
+        ctx = self.op_context("all_to_all", array, None, "all_to_all_single")
         row_out = int(np.prod(output.shape[1:])) if output.ndim > 1 else 1
         row_in = int(np.prod(array.shape[1:])) if array.ndim > 1 else 1
-        outs = gather_algos.split_views(self._flat(output), output_splits, row_out)
-        ins = gather_algos.split_views(self._flat(array), input_splits, row_in)
+        outs = gather_algos.split_views(output.reshape(-1), output_splits, row_out)
+        ins = gather_algos.split_views(array.reshape(-1), input_splits, row_in)
         gather_algos.all_to_all(ctx, outs, ins)
 
     def barrier(self) -> None:
-        if self.size == 1:
-            return
-        seq = self._next_small(0)
-        if seq >= 0:
-            shm_small.barrier(self.small, seq, _BARRIER_WORD)
-            return
-        gather_algos.barrier(self._ctx("barrier", None, None, "barrier"))
+        if self.size > 1:
+            routes.BARRIER[self.route(0)](self)
 
     def monitored_barrier(self, timeout: timedelta, wait_all_ranks: bool) -> None:
         """Rank 0 waits up to ``timeout`` for each rank, then names those that did not come."""
-        ctx = self._ctx("monitored_barrier", None, None, "monitored_barrier")
+        ctx = self.op_context("monitored_barrier", None, None, "monitored_barrier")
         if self.size > 1:
             p2p.monitored_barrier(ctx, timeout.total_seconds(), wait_all_ranks)
 
