@@ -97,19 +97,19 @@ def _seq_of(stamp_: int) -> int:
     return (stamp_ >> SUB_BITS) - 1
 
 
-def _fields(word: int) -> tuple:
+def descriptor_fields(word: int) -> tuple:
     """(op, dtype, redop, root) of a descriptor word."""
     return word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) - 1
 
 
 def _operation(word: int, count: int) -> tuple:
     """(op, dtype, redop, count, root) of a descriptor word and count (frames.agree's form)."""
-    op, dtype, redop, root = _fields(word)
+    op, dtype, redop, root = descriptor_fields(word)
     return op, dtype, redop, count, root
 
 
 def describe(word: int, count: int) -> str:
-    op, dtype, _, root = _fields(word)
+    op, dtype, _, root = descriptor_fields(word)
     return frames.describe(op, dtype, count, root)
 
 
@@ -136,7 +136,7 @@ class _SharedWait:
         self.conn = conn
         self.what = what
         self.error: Optional[BaseException] = None
-        op, dtype, redop, _ = _fields(what.word)
+        op, dtype, redop, _ = descriptor_fields(what.word)
         self.operation = (op, dtype, redop, _seq_of(what.stamp) & 0xFFFFFFFF, what.count)
 
     def fail(self, error: BaseException) -> None:

@@ -201,7 +201,7 @@ def test_descriptors_name_the_operation_and_the_difference():
                        (shm_channel.descriptor(frames.OPS["all_reduce"], 12, 1, -1), "different dtypes"),
                        (shm_channel.descriptor(frames.OPS["all_reduce"], 11, 3, -1), "different reduce ops"),
                        (mine, "different sizes")]:
-        assert why in frames.why_mismatched(shm_channel._fields(mine), shm_channel._fields(other))
+        assert why in frames.why_mismatched(shm_channel.descriptor_fields(mine), shm_channel.descriptor_fields(other))
 
 
 # -- small arrays over TCP --------------------------------------------------------------------------
