@@ -64,3 +64,58 @@ def test_every_module_is_placed_in_a_layer():
 
 def test_no_import_points_to_a_layer_above():
     assert upward_imports(import_graph()) == []
+
+
+#: Inside transport/, the mesh's parts (docs/architecture.md, "The mesh"): the layer of each
+#: within the transport; a module imports only transport modules of a lower one. The health of
+#: the group sits below both the mesh and the shared-memory channel, which are given it.
+TRANSPORT: Dict[str, int] = {
+    "frames": 0, "early": 0, "address": 0, "shm": 0, "shm_wait": 0,
+    "accept": 1, "matching": 1,
+    "connection": 2,
+    "health": 3,
+    "progress": 4, "shm_channel": 4,
+    "tcp": 5,
+}
+#: Standard modules that do I/O: the matching of receives and frames uses none (tests drive it).
+SOCKETS = {"socket", "select", "selectors", "ssl"}
+
+
+def transport_crossings(graph) -> list:
+    """Imports between transport modules that do not point to a lower part."""
+    def part(module: str) -> str:
+        return module[len("distlib.transport."):]
+
+    return sorted(f"{m} imports {t}" for m, targets in graph.items() if m.startswith("distlib.transport.")
+                  for t in targets if t.startswith("distlib.transport.")
+                  and TRANSPORT[part(t)] >= TRANSPORT[part(m)])
+
+
+def test_the_check_sees_an_import_that_crosses_the_mesh_parts():
+    assert transport_crossings({"distlib.transport.matching": {"distlib.transport.connection"},
+                                "distlib.transport.health": {"distlib.transport.matching"}}) == [
+        "distlib.transport.matching imports distlib.transport.connection"]
+
+
+def test_every_transport_module_is_placed_among_the_mesh_parts():
+    modules = [m for m in import_graph() if m.startswith("distlib.transport.")]
+    assert [m for m in modules if m[len("distlib.transport."):] not in TRANSPORT] == [], \
+        "place the new module in TRANSPORT and in docs/architecture.md"
+
+
+def test_the_mesh_parts_import_only_lower_ones():
+    assert transport_crossings(import_graph()) == []
+
+
+def test_the_matching_has_no_sockets():
+    import ast
+    from pathlib import Path
+
+    import distlib.transport.matching as matching
+
+    tree = ast.parse(Path(matching.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    assert imported & SOCKETS == set()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, List, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -112,8 +112,14 @@ class OpContext:
         return self.mesh.post_data(peer, self.seq, step, view, self.op, self.dtype, self.redop, self.count,
                                    Label("{} (step {})", self.what, step))
 
-    def wait(self, slot: Slot) -> int:
-        return self.mesh.wait(slot, self.deadline)
+    def wait(self, slot: Slot, deadline: Optional[Deadline] = None) -> int:
+        """The sender of ``slot``'s frame, once it came (by ``deadline``, else the operation's)."""
+        return self.mesh.wait(slot, deadline or self.deadline)
+
+    def try_wait(self, slot: Slot, deadline: Deadline) -> bool:
+        """Whether ``slot``'s frame came by ``deadline`` (if not, the receive is withdrawn and
+        the group goes on: Mesh.try_wait)."""
+        return self.mesh.try_wait(slot, deadline)
 
 
 def bview(array: np.ndarray) -> memoryview:

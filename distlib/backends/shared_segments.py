@@ -18,6 +18,7 @@ import numpy as np
 from ..algorithms import gather as gather_algos
 from ..algorithms import reduce as reduce_algos
 from ..algorithms.context import OpContext
+from ..algorithms.shm_allreduce import ShmAllReduce
 from ..errors import DistBackendError
 from ..reduce_op import ReduceOp
 from ..transport.shm import SharedSegment, free_bytes
@@ -67,3 +68,35 @@ def agree_on_segment(make_ctx: ContextFactory, rank: int, nbytes: int, purpose: 
     log.warning("%s: rank %d: shared memory unavailable for %s (%s); it goes over TCP", label, rank, purpose,
                 problem or "another rank could not map the segment")
     return None
+
+
+class LargeSegment:
+    """The large all_reduce's shared segment: not tried yet (it is set up by the first
+    all_reduce that could use it), in use (``all_reduce``), or unavailable (DISTLIB_SHM=0,
+    or the group could not map one: its all_reduces go over TCP)."""
+
+    def __init__(self, allowed: bool):
+        self.allowed = allowed
+        self.tried = False
+        self.all_reduce: Optional[ShmAllReduce] = None
+
+    def may_use(self) -> bool:
+        """Whether an all_reduce may go through it (set up now if not tried yet)."""
+        return self.allowed and (not self.tried or self.all_reduce is not None)
+
+    def set_up(self, segment: Optional[SharedSegment], size: int, slot_bytes: int) -> None:
+        """What agree_on_segment gave (None: unavailable from now on)."""
+        self.tried = True
+        self.all_reduce = ShmAllReduce(segment, size, slot_bytes) if segment is not None else None
+
+    @property
+    def state(self) -> str:
+        """"on" (in use), "off" (unavailable) or "unset" (not tried yet), for reports."""
+        if self.all_reduce is not None:
+            return "on"
+        return "off" if self.tried or not self.allowed else "unset"
+
+    def close(self) -> None:
+        if self.all_reduce is not None:
+            self.all_reduce.segment.close()
+            self.all_reduce = None

@@ -62,6 +62,7 @@ OPS = {
     "shm_sync": 12,
 }
 OP_NAMES = {code: name for name, code in OPS.items()}
+ALL_TO_ALL = OPS["all_to_all"]
 
 
 def pack(kind: int, op: int, dtype: int, redop: int, seq: int, step: int, count: int, nbytes: int) -> bytes:
@@ -83,6 +84,27 @@ def describe(op: int, dtype: int, count: int, root: int = -1) -> str:
     if root >= 0:
         text += f" {'to' if name in ('reduce', 'gather') else 'from'} rank {root}"
     return text
+
+
+def agree(theirs: tuple, mine: tuple) -> bool:
+    """Whether two ranks are in the same collective: the one rule of the mesh's frames, its
+    heartbeats and the shared-memory channel. ``theirs`` and ``mine`` are ``(op, dtype,
+    redop, count)``, optionally followed by the root; every field must be equal, except the
+    count of all_to_all (each rank's own share)."""
+    if theirs == mine:
+        return True
+    return theirs[0] == ALL_TO_ALL and theirs[:3] == mine[:3] and theirs[4:] == mine[4:]
+
+
+def disagreement(peer: str, theirs: tuple, mine: tuple, detail: str = "", verb: str = "sent") -> str:
+    """The text of a mismatch (``theirs``/``mine`` as for agree): ``peer`` (``rank 1
+    (host:port)``) ``verb`` (sent, is in, is waiting in) its collective, this rank is in
+    another, and why; ``detail`` follows a difference of sizes."""
+    why = why_mismatched(mine[:3] + mine[4:5], theirs[:3] + theirs[4:5])
+    if why.endswith("sizes on different ranks"):
+        why += detail
+    return (f"mismatched collective: {peer} {verb} {describe(theirs[0], theirs[1], theirs[3], *theirs[4:5])}, "
+            f"but this rank is in {describe(mine[0], mine[1], mine[3], *mine[4:5])}: {why}")
 
 
 def why_mismatched(mine: tuple, theirs: tuple) -> str:

@@ -35,10 +35,11 @@ in the channel for it sees the announcement (or a stamp past its own: the peer w
 without it) and aborts the group with both descriptors. The abort travels to every rank as
 an ABORT frame on the mesh, which also wakes every sleeper here.
 
-**Failure.** A waiter checks, between spins and between sleeps, the mesh's error (an abort
+**Failure.** A waiter checks, between spins and between sleeps, the group's error (an abort
 from anywhere), the connection of the peer it waits for (a rank that died closes it), and
-its deadline (the group timeout); while it sleeps, the mesh's heartbeats report what it
-waits for, so a timeout names the silent rank as it does for TCP waits.
+its deadline (the group timeout); while it sleeps, the heartbeats report what it waits for,
+so a timeout names the silent rank as it does for TCP waits. All of that is the group's
+``Health`` (health.py), which the channel is given, as the mesh is.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ from __future__ import annotations
 import ctypes
 import platform
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..deadline import Deadline
 from ..errors import DistBackendError
 from . import frames
+from .health import Health
 from .shm import SharedSegment
 from .shm_wait import BLOCK_SLICE_S, FUTEX, SPIN_QUIET_S, WaitPolicy, fence, sched_yield
 
@@ -95,13 +97,19 @@ def _seq_of(stamp_: int) -> int:
     return (stamp_ >> SUB_BITS) - 1
 
 
-def _fields(word: int) -> tuple:
+def descriptor_fields(word: int) -> tuple:
     """(op, dtype, redop, root) of a descriptor word."""
     return word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF, (word >> 24) - 1
 
 
+def _operation(word: int, count: int) -> tuple:
+    """(op, dtype, redop, count, root) of a descriptor word and count (frames.agree's form)."""
+    op, dtype, redop, root = descriptor_fields(word)
+    return op, dtype, redop, count, root
+
+
 def describe(word: int, count: int) -> str:
-    op, dtype, _, root = _fields(word)
+    op, dtype, _, root = descriptor_fields(word)
     return frames.describe(op, dtype, count, root)
 
 
@@ -128,7 +136,7 @@ class _SharedWait:
         self.conn = conn
         self.what = what
         self.error: Optional[BaseException] = None
-        op, dtype, redop, _ = _fields(what.word)
+        op, dtype, redop, _ = descriptor_fields(what.word)
         self.operation = (op, dtype, redop, _seq_of(what.stamp) & 0xFFFFFFFF, what.count)
 
     def fail(self, error: BaseException) -> None:
@@ -136,16 +144,16 @@ class _SharedWait:
 
 
 class SmallChannel:
-    """One group's slots on this host. ``mesh`` is the group's TCP mesh: its error state,
-    its connections (to tell a dead peer), abort and heartbeats."""
+    """One group's slots on this host. ``health`` is the group's (its TCP mesh's, health.py):
+    its error, its connections (to tell a dead peer), abort, heartbeats and the wake-up hooks."""
 
-    def __init__(self, segment: SharedSegment, rank: int, size: int, slot_bytes: int, mesh: Any,
+    def __init__(self, segment: SharedSegment, rank: int, size: int, slot_bytes: int, health: Health,
                  policy: WaitPolicy, timeout_s: float):
         self.segment = segment
         self.rank = rank
         self.size = size
         self.slot_bytes = slot_bytes
-        self.mesh = mesh
+        self.health = health
         self.policy = policy
         self.timeout_s = timeout_s
         self.exchanges = 0
@@ -162,7 +170,7 @@ class SmallChannel:
         self._stamp = [[offset // WORD for offset in row] for row in self._slot_offset]
         self._others = [r for r in range(size) if r != rank]
         self._views: Dict[Tuple[np.dtype, int], List[List[np.ndarray]]] = {}
-        mesh.trouble_hooks.append(self.wake_everyone)
+        health.trouble_hooks.append(self.wake_everyone)
 
     # -- one exchange ----------------------------------------------------------------------------
 
@@ -205,7 +213,7 @@ class SmallChannel:
             at = row[j]
             if words[at] != stamp:
                 self._wait_for(j, at, stamp, word, count, policy or self.policy)
-            if words[at + 1] != word or words[at + 2] != count:
+            if words[at + 1] != word or words[at + 2] != count:  # (the rule's fast path: see _mismatch)
                 self._mismatch(j, words[at + 1], words[at + 2], word, count)
 
     def announce(self, stamp: int, word: int, count: int) -> None:
@@ -268,13 +276,12 @@ class SmallChannel:
     def _block(self, j: int, at: int, stamp: int, word: int, count: int) -> None:
         """Sleep on peer ``j``'s stamp until it is ``stamp``, in slices."""
         words = self._words
-        mesh = self.mesh
+        health = self.health
         flag = self._ctl[self.rank]
         address = self._address + at * WORD
         deadline = Deadline(self.timeout_s)
-        wait = _SharedWait(mesh.conns[j], _Described(word, count, stamp))
-        key = mesh.begin_wait(wait)
-        mesh.rearm_due()  # while this thread sleeps, the progress thread reads the connections
+        wait = _SharedWait(health.conns[j], _Described(word, count, stamp))
+        key = health.begin_wait(wait)  # while this thread sleeps, the progress thread reads the connections
         try:
             while True:
                 words[flag] = j + 1
@@ -285,22 +292,22 @@ class SmallChannel:
                 self._check_peer(j, at, stamp, word, count)
                 left = deadline.remaining()
                 if left <= 0:
-                    raise mesh.wait_timed_out(wait, deadline)
+                    raise health.wait_timed_out(wait, deadline)
                 FUTEX.wait(address, seen, min(BLOCK_SLICE_S, left))
                 words[flag] = 0
                 if words[at] == stamp:
                     return
-                mesh.beat()
+                health.beat()
         finally:
             words[flag] = 0
-            mesh.end_wait(key)
+            health.end_wait(key)
 
     def _check_peer(self, j: int, at: int, stamp: int, word: int, count: int) -> None:
         """Raise if peer ``j`` cannot bring ``stamp``: the group failed, ``j`` is gone, or ``j``
         is in (or past) another operation."""
-        mesh = self.mesh
-        if mesh.error is not None:
-            raise mesh.error
+        health = self.health
+        if health.error is not None:
+            raise health.error
         words = self._words
         ctl = self._ctl[j]
         announced = words[ctl + 1]
@@ -312,19 +319,20 @@ class SmallChannel:
             self._mismatch(j, words[ctl + 2], words[ctl + 3], word, count)
         if announced > first or seen > stamp:
             error = DistBackendError(
-                f"{mesh.label}: mismatched collective: rank {j} went on past operation #{_seq_of(stamp)} without "
+                f"{health.label}: mismatched collective: rank {j} went on past operation #{_seq_of(stamp)} without "
                 f"taking part in this rank's {describe(word, count)}: the ranks called different collectives "
                 f"(or the same ones in a different order), or passed arrays of different sizes")
-            mesh.abort(error)
+            health.abort(error)
             raise error
-        mesh.check_peer(j)
+        health.check_peer(j)
 
     def _mismatch(self, j: int, their_word: int, their_count: int, word: int, count: int) -> None:
-        theirs, mine = describe(their_word, their_count), describe(word, count)
-        why = frames.why_mismatched(_fields(word), _fields(their_word))
-        error = DistBackendError(
-            f"{self.mesh.label}: mismatched collective: rank {j} is in {theirs}, but this rank is in {mine}: {why}")
-        self.mesh.abort(error)
+        """Abort the group: rank ``j`` is in another operation than this rank's (a descriptor
+        word and count that are not this rank's: the channel carries no all_to_all, so two
+        ranks agree (frames.agree) exactly when both are equal)."""
+        error = DistBackendError(f"{self.health.label}: " + frames.disagreement(
+            f"rank {j}", _operation(their_word, their_count), _operation(word, count), verb="is in"))
+        self.health.abort(error)
         raise error
 
     def wake_everyone(self) -> None:
@@ -339,7 +347,7 @@ class SmallChannel:
 
     def close(self) -> None:
         try:
-            self.mesh.trouble_hooks.remove(self.wake_everyone)
+            self.health.trouble_hooks.remove(self.wake_everyone)
         except ValueError:
             pass
         self._views.clear()

@@ -144,6 +144,30 @@ def reduce_scatter_matrix(rank, ws, op_name, dtypes, sizes):
     return out
 
 
+def first_wrong(got, expected, where: str = ""):
+    """True if ``got`` equals ``expected`` (shape and elements), else what is wrong: the first
+    wrong element, its value and the expected one, and how many are wrong (``where`` first)."""
+    got, expected = np.asarray(got), np.asarray(expected)
+    if got.shape != expected.shape:
+        return f"{where}shape {got.shape}, expected {expected.shape}"
+    bad = np.flatnonzero(got.reshape(-1) != expected.reshape(-1))
+    if bad.size == 0:
+        return True
+    i = int(bad[0])
+    return (f"{where}element {i} is {got.reshape(-1)[i].item()!r}, expected {expected.reshape(-1)[i].item()!r} "
+            f"({bad.size} of {got.size} wrong)")
+
+
+def first_of(checks):
+    """The first result of ``checks`` that is not True (first_wrong's text), or True."""
+    return next((c for c in checks if c is not True), True)
+
+
+def wrong(results: dict) -> dict:
+    """The entries of a case's results that are not True: what went wrong, by name."""
+    return {name: value for name, value in results.items() if value is not True}
+
+
 def broadcast_cases(rank, ws, dtypes, sizes):
     out = []
     for root in sorted({0, ws - 1}):
@@ -152,7 +176,7 @@ def broadcast_cases(rank, ws, dtypes, sizes):
                 data = make_input(root, dtype, n).reshape(-1)
                 array = data.copy() if rank == root else np.zeros(n, np.dtype(dtype))
                 dist.broadcast(array, src=root)
-                out.append((root, dtype, n, bool(np.array_equal(array, data))))
+                out.append((root, dtype, n, first_wrong(array, data, f"rank {rank}: ")))
     return out
 
 
@@ -163,22 +187,24 @@ def gather_family(rank, ws, dtype, n):
     results = {}
     outputs = [np.empty(n, np.dtype(dtype)) for _ in range(ws)]
     dist.all_gather(outputs, mine)
-    results["all_gather"] = all(np.array_equal(o, e) for o, e in zip(outputs, everyone))
+    results["all_gather"] = first_of(first_wrong(o, e, f"from rank {k}: ")
+                                     for k, (o, e) in enumerate(zip(outputs, everyone)))
     flat = np.empty(n * ws, np.dtype(dtype))
     dist.all_gather_into_tensor(flat, mine)
-    results["all_gather_into_tensor"] = bool(np.array_equal(flat, np.concatenate(everyone)))
-    gather_ok, scatter_ok = True, True
+    results["all_gather_into_tensor"] = first_wrong(flat, np.concatenate(everyone))
+    gather_ok, scatter_ok = [], []
     for root in range(ws):
         gathered = [np.empty(n, np.dtype(dtype)) for _ in range(ws)] if rank == root else None
         dist.gather(mine, gathered, dst=root)
         if rank == root:
-            gather_ok &= all(np.array_equal(o, e) for o, e in zip(gathered, everyone))
+            gather_ok += [first_wrong(o, e, f"root {root}, from rank {k}: ")
+                          for k, (o, e) in enumerate(zip(gathered, everyone))]
         pieces = [make_input(100 + k, dtype, n) for k in range(ws)]
         received = np.empty(n, np.dtype(dtype))
         dist.scatter(received, pieces if rank == root else None, src=root)
-        scatter_ok &= bool(np.array_equal(received, pieces[rank]))
-    results["gather"] = gather_ok
-    results["scatter"] = scatter_ok
+        scatter_ok.append(first_wrong(received, pieces[rank], f"root {root}: "))
+    results["gather"] = first_of(gather_ok)
+    results["scatter"] = first_of(scatter_ok)
     return results
 
 
@@ -187,8 +213,8 @@ def all_to_all_cases(rank, ws, dtype, n):
     inputs = [np.full(n, 100 * rank + k, np.dtype(dtype)) for k in range(ws)]
     outputs = [np.empty(n, np.dtype(dtype)) for _ in range(ws)]
     dist.all_to_all(outputs, inputs)
-    results["all_to_all"] = all(np.array_equal(outputs[k], np.full(n, 100 * k + rank, np.dtype(dtype)))
-                                for k in range(ws))
+    results["all_to_all"] = first_of(first_wrong(outputs[k], np.full(n, 100 * k + rank, np.dtype(dtype)),
+                                                 f"from rank {k}: ") for k in range(ws))
     # equal splits of dim 0, rows of 3 elements
     rows = 2 * ws
     src = np.arange(rows * 3, dtype=np.dtype(dtype)).reshape(rows, 3) + 1000 * rank
@@ -196,7 +222,7 @@ def all_to_all_cases(rank, ws, dtype, n):
     dist.all_to_all_single(dst, src)
     expect = np.concatenate([(np.arange(rows * 3).reshape(rows, 3) + 1000 * k)[2 * rank:2 * rank + 2]
                              for k in range(ws)]).astype(np.dtype(dtype))
-    results["all_to_all_single"] = bool(np.array_equal(dst, expect))
+    results["all_to_all_single"] = first_wrong(dst, expect)
     # uneven splits: rank r sends (k + r) % 3 rows to rank k
     send_splits = [(k + rank) % 3 for k in range(ws)]
     recv_splits = [(rank + k) % 3 for k in range(ws)]
@@ -206,17 +232,42 @@ def all_to_all_cases(rank, ws, dtype, n):
     dist.all_to_all_single(dst, src, output_split_sizes=recv_splits, input_split_sizes=send_splits)
     expect = np.concatenate([np.full((recv_splits[k], 2), 10 * k + rank) for k in range(ws)]).astype(np.dtype(dtype)) \
         if sum(recv_splits) else np.empty((0, 2), np.dtype(dtype))
-    results["all_to_all_single_uneven"] = bool(np.array_equal(dst, expect))
+    results["all_to_all_single_uneven"] = first_wrong(dst, expect)
     return results
 
 
-def barrier_cases(rank, ws):
-    dist.barrier()
-    work = dist.barrier(async_op=True)
-    work.wait()
-    dist.monitored_barrier(timeout=timedelta(seconds=10))
-    dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
-    return True
+BARRIER_KINDS = ("barrier", "barrier_async", "monitored_barrier", "monitored_barrier_all")
+
+
+def barrier_cases(rank, ws, delta=0.05):
+    """Each kind of barrier, rank r arriving r x ``delta`` seconds after rank 0: per kind, when
+    this rank arrived and when it left (time.time(): one clock for the ranks of one host)."""
+    out = {}
+    for kind in BARRIER_KINDS:
+        dist.barrier()  # start together (a barrier that did not hold would be seen below anyway)
+        time.sleep(rank * delta)
+        arrived = time.time()
+        if kind == "barrier":
+            dist.barrier()
+        elif kind == "barrier_async":
+            dist.barrier(async_op=True).wait()
+        else:
+            dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=kind.endswith("_all"))
+        out[kind] = (arrived, time.time())
+    return out
+
+
+def left_before_the_last_arrived(per_rank) -> dict:
+    """From barrier_cases' results: per kind, the ranks that left before the last rank arrived,
+    and how many seconds before (empty: every barrier held every rank)."""
+    early = {}
+    for kind in BARRIER_KINDS:
+        last = max(times[kind][0] for times in per_rank)
+        ranks = {rank: round(last - times[kind][1], 4) for rank, times in enumerate(per_rank)
+                 if times[kind][1] < last}
+        if ranks:
+            early[kind] = ranks
+    return early
 
 
 def p2p_cases(rank, ws):
@@ -434,7 +485,7 @@ def world_info(rank, ws):
         "rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
         "initialized": dist.is_initialized(), "world_is_default": dist.GroupMember.WORLD is get_default_group(),
         # after every test that ran on this pool before: the progress threads must still be up
-        "progress_threads_alive": all(m._progress is None or m._progress.is_alive() for m in meshes),
+        "progress_threads_alive": all(m.progress.alive() for m in meshes),
     }
 
 

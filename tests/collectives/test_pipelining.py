@@ -42,4 +42,4 @@ def test_reduce_scatter_reduce_and_broadcast_in_small_pieces(small_pieces_pool):
     for rank, rows in enumerate(pool.run(cases.reduce_matrix, "SUM", ["float64"], SIZES, pool.world_size - 1)):
         assert all(ok for *_, ok in rows), (rank, rows)
     for rank, rows in enumerate(pool.run(cases.broadcast_cases, ["float32"], [1_000_003])):
-        assert rows and all(ok for *_, ok in rows), (rank, rows)
+        assert rows and all(ok is True for *_, ok in rows), (rank, rows)

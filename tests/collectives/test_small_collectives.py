@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from distlib.backends.gloo import small_slot_bytes
+from distlib.backends.gloo_setup import small_slot_bytes
 from distlib.transport import shm_channel, shm_wait
 
 from . import cases, small_cases
@@ -201,7 +201,7 @@ def test_descriptors_name_the_operation_and_the_difference():
                        (shm_channel.descriptor(frames.OPS["all_reduce"], 12, 1, -1), "different dtypes"),
                        (shm_channel.descriptor(frames.OPS["all_reduce"], 11, 3, -1), "different reduce ops"),
                        (mine, "different sizes")]:
-        assert why in frames.why_mismatched(shm_channel._fields(mine), shm_channel._fields(other))
+        assert why in frames.why_mismatched(shm_channel.descriptor_fields(mine), shm_channel.descriptor_fields(other))
 
 
 # -- small arrays over TCP --------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def mesh_with_a_peer():
 
     mine, theirs = socket.socketpair()
     mesh = Mesh(0, 2, 5.0, 1, "test")
-    mesh._add(1, mine, "peer:1")
+    mesh.add_connection(1, mine, "peer:1")
     yield mesh, mesh.conns[1], theirs
     mesh.close()
     theirs.close()
@@ -286,7 +286,7 @@ def test_a_frame_that_came_early_for_another_collective_is_caught_when_the_opera
     from distlib.transport import frames
 
     mesh, conn, _ = mesh_with_a_peer
-    conn.unexpected[(7, 3)] = (_data("broadcast", 11, 7, 5), bytearray(4))  # a later step: no receive posted
+    mesh.matching.arrive(1, _data("broadcast", 11, 7, 5, step=3), bytearray(4))  # a later step: no receive posted
     with pytest.raises(DistBackendError, match="rank 1 .* sent broadcast of 5 x float32, but this rank is in "
                                                "all_reduce of 5 x float32: the ranks called different"):
         mesh.begin(7, frames.OPS["all_reduce"], 11, 1, 5)
@@ -298,7 +298,7 @@ def test_a_frame_of_an_operation_this_rank_finished_is_a_mismatch(mesh_with_a_pe
     from distlib.transport import frames
 
     mesh, conn, _ = mesh_with_a_peer
-    conn.unexpected[(6, 0)] = (_data("all_reduce", 11, 6, 5), bytearray(4))
+    mesh.matching.arrive(1, _data("all_reduce", 11, 6, 5), bytearray(4))
     with pytest.raises(DistBackendError, match="operation #6, which this rank finished without it"):
         mesh.begin(7, frames.OPS["all_reduce"], 11, 1, 5)
 
@@ -307,8 +307,8 @@ def test_frames_that_agree_or_come_later_pass(mesh_with_a_peer):
     from distlib.transport import frames
 
     mesh, conn, _ = mesh_with_a_peer
-    conn.unexpected[(7, 1)] = ((frames.DATA, frames.OPS["all_reduce"], 11, 1, 7, 1, 5, 4), bytearray(4))
-    conn.unexpected[(9, 0)] = (_data("broadcast", 12, 9, 3), bytearray(4))
+    mesh.matching.arrive(1, (frames.DATA, frames.OPS["all_reduce"], 11, 1, 7, 1, 5, 4), bytearray(4))
+    mesh.matching.arrive(1, _data("broadcast", 12, 9, 3), bytearray(4))
     mesh.begin(7, frames.OPS["all_reduce"], 11, 1, 5)
     assert mesh.error is None
 
@@ -319,7 +319,7 @@ def test_an_aborted_mesh_names_the_cause_not_the_frames_the_abort_left_unread(me
 
     mesh, conn, _ = mesh_with_a_peer
     mesh.abort(DistBackendError("the real cause"))
-    conn.unexpected[(1, 0)] = (_data("all_reduce", 2, 1, 1), bytearray(1))  # a vote the abort cut short
+    mesh.matching.arrive(1, _data("all_reduce", 2, 1, 1), bytearray(1))  # a vote the abort cut short
     with pytest.raises(DistBackendError, match="the real cause"):
         mesh.begin(2, frames.OPS["broadcast"], 0, 0, 0)
 
@@ -334,7 +334,7 @@ def test_a_heartbeat_from_a_peer_waiting_in_another_collective_aborts(mesh_with_
     text = b"waiting 2s for broadcast of 10 x float32 from rank 0"
     theirs.sendall(frames.pack(frames.HEARTBEAT, frames.OPS["broadcast"], 11, 0, 4, 0, 10, len(text)) + text)
     with conn.read_lock:
-        mesh._read_frame(conn)
+        mesh.read_frame(conn)
     assert mesh.error is not None and "rank 1 (peer:1) is waiting in broadcast of 10 x float32, but this rank " \
                                       "is in all_reduce of 10 x float32" in str(mesh.error), mesh.error
 
@@ -348,6 +348,132 @@ def test_a_heartbeat_about_the_same_collective_is_no_mismatch(mesh_with_a_peer):
     theirs.sendall(frames.pack(frames.HEARTBEAT, frames.OPS["all_reduce"], 11, 1, 4, 0, 10, len(text)) + text)
     theirs.sendall(frames.pack(frames.HEARTBEAT, frames.OPS["broadcast"], 11, 0, 3, 0, 10, len(text)) + text)
     with conn.read_lock:
-        mesh._read_frame(conn)
-        mesh._read_frame(conn)
+        mesh.read_frame(conn)
+        mesh.read_frame(conn)
     assert mesh.error is None and conn.status == "waiting"
+
+
+def test_one_rule_says_whether_two_ranks_are_in_the_same_collective():
+    from distlib.transport import frames
+
+    all_reduce, all_to_all = frames.OPS["all_reduce"], frames.OPS["all_to_all"]
+    assert frames.agree((all_reduce, 11, 1, 5), (all_reduce, 11, 1, 5))
+    assert not frames.agree((all_reduce, 11, 1, 5), (all_reduce, 11, 1, 6))
+    assert frames.agree((all_to_all, 11, 0, 5), (all_to_all, 11, 0, 6))  # each rank's own share
+    assert not frames.agree((all_to_all, 12, 0, 5), (all_to_all, 11, 0, 5))
+    assert not frames.agree((all_reduce, 11, 1, 5, 0), (all_reduce, 11, 1, 5, 1))  # roots
+    assert frames.disagreement("rank 1 (h:1)", (all_reduce, 11, 1, 5), (all_reduce, 11, 1, 6), " (20 vs 24)") == (
+        "mismatched collective: rank 1 (h:1) sent all_reduce of 5 x float32, but this rank is in all_reduce of "
+        "6 x float32: the arrays have different sizes on different ranks (20 vs 24)")
+    assert frames.disagreement("rank 2", (frames.OPS["broadcast"], 11, 0, 5, 0), (frames.OPS["broadcast"], 11, 0, 5, 1),
+                               verb="is in") == (
+        "mismatched collective: rank 2 is in broadcast of 5 x float32 from rank 0, but this rank is in broadcast "
+        "of 5 x float32 from rank 1: the ranks passed different roots (src/dst)")
+
+
+# -- the matching of posted receives and arrived frames, without sockets -------------------------
+
+
+def _matching():
+    from distlib.transport.matching import Matching
+
+    return Matching(3, lambda peer: f"rank {peer} (peer:{peer})")
+
+
+def _slot(nbytes=4, kind=None, op_name="all_reduce", count=1):
+    from distlib.transport import frames
+    from distlib.transport.matching import Slot
+
+    return Slot(memoryview(bytearray(nbytes)), kind or frames.DATA, frames.OPS[op_name], 11, 1, count, "a step", 7)
+
+
+def test_a_frame_fills_the_receive_posted_for_its_operation_and_step():
+    from distlib.transport import frames
+
+    matching = _matching()
+    slot = _slot()
+    assert matching.post_data(1, 7, 2, slot) is None  # posted
+    assert matching.take(2, frames.DATA, 7, 2) is None  # another peer's frame does not take it
+    assert matching.take(1, frames.DATA, 7, 1) is None  # nor another step
+    assert matching.take(1, frames.DATA, 7, 2) is slot
+    assert matching.take(1, frames.DATA, 7, 2) is None  # taken once
+
+
+def test_a_frame_that_comes_first_is_kept_until_its_receive_is_posted():
+    from distlib.transport import frames
+
+    matching = _matching()
+    fields = (frames.DATA, frames.OPS["all_reduce"], 11, 1, 7, 2, 1, 4)
+    assert matching.arrive(1, fields, bytearray(b"abcd")) == (None, None)
+    assert matching.post_data(1, 7, 2, _slot()) == (fields, bytearray(b"abcd"))
+    assert matching.post_data(1, 7, 2, _slot()) is None  # used up: this one is posted
+
+
+def test_point_to_point_frames_match_in_order_per_tag_and_from_any_source():
+    from distlib.transport import frames
+
+    matching = _matching()
+    first, second, anyone = _slot(kind=frames.P2P), _slot(kind=frames.P2P), _slot(kind=frames.P2P)
+    assert matching.post_p2p(2, 5, first) is None and matching.post_p2p(2, 5, second) is None
+    assert matching.post_p2p(None, 6, anyone) is None
+    assert matching.take(2, frames.P2P, 5, 0) is first and matching.take(2, frames.P2P, 5, 0) is second
+    assert matching.take(1, frames.P2P, 6, 0) is anyone  # tag 6 from any rank
+    fields = (frames.P2P, frames.OPS["send"], 11, 0, 9, 0, 1, 4)
+    assert matching.arrive(2, fields, bytearray(4)) == (None, None)
+    assert matching.post_p2p(None, 9, _slot(kind=frames.P2P)) == (2, (fields, bytearray(4)))
+
+
+def test_nothing_is_posted_for_a_lost_peer_but_what_it_sent_before_still_matches():
+    from distlib.transport import frames
+    from distlib.transport.matching import LOST
+
+    matching = _matching()
+    waiting = _slot()
+    matching.post_data(1, 7, 0, waiting)
+    fields = (frames.DATA, frames.OPS["all_reduce"], 11, 1, 7, 1, 1, 4)
+    matching.arrive(1, fields, bytearray(4))
+    with matching.lock:
+        assert matching.drain_peer(1) == [waiting]
+    assert matching.post_data(1, 7, 1, _slot()) == (fields, bytearray(4))
+    assert matching.post_data(1, 7, 2, _slot()) is LOST
+    assert matching.post_p2p(1, 3, _slot(kind=frames.P2P)) is LOST
+    assert matching.post_data(2, 7, 2, _slot()) is None  # the other peers are not affected
+
+
+def test_a_receive_whose_deadline_passed_is_withdrawn_unless_a_frame_took_it():
+    from distlib.transport import frames
+
+    matching = _matching()
+    slot, taken = _slot(), _slot()
+    matching.post_data(1, 7, 0, slot)
+    matching.post_data(1, 7, 1, taken)
+    assert matching.take(1, frames.DATA, 7, 1) is taken
+    assert matching.withdraw(1, slot) and not matching.withdraw(1, taken)
+    assert matching.take(1, frames.DATA, 7, 0) is None
+
+
+def test_a_frame_nobody_posted_for_is_checked_against_the_operation_this_rank_is_in():
+    from distlib.transport import frames
+
+    matching = _matching()
+    assert matching.begin(7, frames.OPS["all_reduce"], 11, 1, 5) is None
+    slot, problem = matching.arrive(2, _data("broadcast", 11, 7, 5, step=4), bytearray(4))
+    assert slot is None and problem == (
+        "mismatched collective: rank 2 (peer:2) sent broadcast of 5 x float32, but this rank is in all_reduce of "
+        "5 x float32: the ranks called different collectives (or the same ones in a different order)")
+    with matching.lock:
+        matching.drain_all()  # the group failed: frames are no longer checked
+    assert matching.arrive(2, _data("broadcast", 11, 7, 5, step=4), bytearray(4)) == (None, None)
+
+
+def test_all_receives_are_taken_out_when_the_group_fails():
+    from distlib.transport import frames
+
+    matching = _matching()
+    slots = [_slot(), _slot(kind=frames.P2P), _slot(kind=frames.P2P)]
+    matching.post_data(1, 7, 0, slots[0])
+    matching.post_p2p(2, 1, slots[1])
+    matching.post_p2p(None, 1, slots[2])
+    with matching.lock:
+        assert sorted(map(id, matching.drain_all())) == sorted(map(id, slots))
+    assert matching.take(1, frames.DATA, 7, 0) is None

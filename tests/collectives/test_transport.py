@@ -55,16 +55,14 @@ def test_host_identity_is_stable():
 
 def test_loopback_address_in_a_multi_host_world_is_warned(caplog):
     """The 127.0.1.1 trap: a rank whose host name resolves to loopback advertises it."""
-    from distlib.backends.gloo import GlooBackend
+    from distlib.backends.gloo_setup import warn_loopback
 
     records = [
         {"addresses": [["10.0.0.2", 30001]], "host_id": "a"},
         {"addresses": [["127.0.1.1", 30002]], "host_id": "b"},
     ]
-    backend = GlooBackend.__new__(GlooBackend)
-    backend.label = "pg0/gloo"
     with caplog.at_level("WARNING", logger="distlib.backends.gloo"):
-        backend._warn_loopback(records)
+        warn_loopback("pg0/gloo", records)
     [record] = caplog.records
     text = record.getMessage()
     assert "rank 1 advertises the loopback address 127.0.1.1" in text and "GLOO_SOCKET_IFNAME" in text
@@ -92,19 +90,19 @@ def test_early_frame_buffers_are_reused_and_never_handed_out_twice():
 
 
 def test_receive_buffer_is_fixed_only_for_crowded_peers_on_this_machine():
-    from distlib.backends.gloo import GlooBackend
+    from distlib.backends.gloo_setup import receive_buffers
     from distlib.cpus import usable_cpus
-    from distlib.transport import tcp
+    from distlib.transport import connection
 
-    assert tcp.crowded_receive_buffer(4, 2) == tcp.CROWDED_RCVBUF > 0
-    assert tcp.crowded_receive_buffer(2, 2) == 0 and tcp.crowded_receive_buffer(1, 1) == 0
+    assert connection.crowded_receive_buffer(4, 2) == connection.CROWDED_RCVBUF > 0
+    assert connection.crowded_receive_buffer(2, 2) == 0 and connection.crowded_receive_buffer(1, 1) == 0
     # one rank per machine: nothing is crowded
     spread = [{"host_id": f"boot{i}/ns/shm"} for i in range(3)]
-    assert GlooBackend._receive_buffers(spread, "boot0/ns/shm") == [0, 0, 0]
+    assert receive_buffers(spread, "boot0/ns/shm") == [0, 0, 0]
     # more ranks on this kernel (containers included: other namespaces) than CPUs; one elsewhere
     here = [{"host_id": f"boot1/ns{i}/shm{i}"} for i in range(usable_cpus() + 1)]
     crowded = here + [{"host_id": "boot2/ns0/shm0"}]
-    assert GlooBackend._receive_buffers(crowded, "boot1/ns0/shm0") == [tcp.CROWDED_RCVBUF] * len(here) + [0]
+    assert receive_buffers(crowded, "boot1/ns0/shm0") == [connection.CROWDED_RCVBUF] * len(here) + [0]
 
 
 def test_ranks_crowded_onto_one_cpu_fix_their_receive_buffers_and_still_reduce_correctly():
@@ -113,11 +111,11 @@ def test_ranks_crowded_onto_one_cpu_fix_their_receive_buffers_and_still_reduce_c
     (larger than the buffer's share, so sends block until the peer reads) are right."""
     import os
 
-    from distlib.transport import tcp
+    from distlib.transport import connection
 
     with open("/proc/sys/net/core/rmem_max") as f:
         rmem_max = int(f.read())
-    expected = 2 * min(tcp.CROWDED_RCVBUF, rmem_max)
+    expected = 2 * min(connection.CROWDED_RCVBUF, rmem_max)
     saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(saved)})  # the spawned ranks inherit it
     try:
