@@ -231,13 +231,11 @@ def async_left_in_flight(rank, ws):
 
 
 def other_collective(rank, ws, odd_one):
-    """``odd_one`` broadcasts while the others all_reduce: nobody can finish. It enters its
-    broadcast 1.5 s (half the 3 s group timeout of tests/mpi/test_failures.py) after the others
-    enter theirs, so that their watchdogs are the first to expire (all have the same timeout)
-    and report what it runs; otherwise whichever rank's watchdog fires first aborts the job."""
+    """``odd_one`` broadcasts while the others all_reduce: nobody can finish. Its group timeout
+    is 20 times the others' (tests/mpi/test_failures.py: ``--last-rank-timeout``), so their
+    watchdogs are the ones to expire and report what it runs."""
     a = np.ones(4, np.float32)
     if rank == odd_one:
-        time.sleep(1.5)
         dist.broadcast(a, src=0)
     else:
         dist.all_reduce(a)

@@ -79,7 +79,9 @@ def test_a_rank_in_another_collective_is_named_with_what_it_runs(open_mpi, suite
     timeout the waiting ranks' watchdogs name rank 2 and the operation it is in."""
     from .launch import run_job
 
-    job = run_job(3, "mismatch", tmp_path / "mismatch", timeout=120, extra=["--timeout", "3"])
+    # rank 2's own timeout is 60 s: ranks 0 and 1's watchdogs expire first, whatever the load
+    job = run_job(3, "mismatch", tmp_path / "mismatch", timeout=120,
+                  extra=["--timeout", "3", "--last-rank-timeout", "60"])
     text = _one_line(job.output)
     assert job.returncode == 62 and job.seconds < 3 + 25, (job.returncode, job.seconds, text[-3000:])
     assert re.search(r"all_reduce of 4 x float32 \(op #1\) on group pg0/mpi \(ranks 0-2 on \S+\) did not finish "
