@@ -50,8 +50,7 @@ def monitored_barrier(ctx: OpContext, timeout_s: float, wait_all_ranks: bool) ->
         slot = ctx.post(0, memoryview(status), RELEASE)
         ctx.wait(slot, Deadline(timeout_s + VERDICT_GRACE_S))
         if status[0]:
-            raise DistBackendError(f"monitored_barrier failed: rank 0 reported that other ranks did not "
-                                   f"reach the barrier within {format_duration(timeout_s)}")
+            raise told_failed(timeout_s)
         return
     limit = Deadline(timeout_s)
     slots = {r: ctx.post(r, memoryview(bytearray(0)), ARRIVE) for r in range(1, ctx.size)}
@@ -69,7 +68,19 @@ def monitored_barrier(ctx: OpContext, timeout_s: float, wait_all_ranks: bool) ->
             except DistBackendError:
                 pass
     if failed:
-        ms = int(timeout_s * 1000)
-        if wait_all_ranks:
-            raise DistBackendError(f"Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier in {ms} ms")
-        raise DistBackendError(f"Rank {failed[0]} failed to pass monitoredBarrier in {ms} ms")
+        raise not_passed(failed, timeout_s, wait_all_ranks)
+
+
+def not_passed(failed: List[int], timeout_s: float, wait_all_ranks: bool) -> DistBackendError:
+    """Rank 0's error for the ranks that did not reach monitored_barrier (torch's words; every
+    backend's monitored_barrier raises it)."""
+    ms = int(timeout_s * 1000)
+    if wait_all_ranks:
+        return DistBackendError(f"Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier in {ms} ms")
+    return DistBackendError(f"Rank {failed[0]} failed to pass monitoredBarrier in {ms} ms")
+
+
+def told_failed(timeout_s: float) -> DistBackendError:
+    """The error of a rank that came to monitored_barrier and was told by rank 0 that others did not."""
+    return DistBackendError(f"monitored_barrier failed: rank 0 reported that other ranks did not reach the "
+                            f"barrier within {format_duration(timeout_s)}")
