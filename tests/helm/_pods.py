@@ -157,7 +157,12 @@ class IndexedJobs(_Loop):
         else:
             for index in range(completions):
                 if index not in succeeded and index not in active:
-                    active[index] = self.api.create(f"/api/v1/namespaces/{ns}/pods", self._pod(job, index))
+                    try:
+                        active[index] = self.api.create(f"/api/v1/namespaces/{ns}/pods", self._pod(job, index))
+                    except ApiError as e:
+                        if e.status == 403 and "NamespaceTerminating" in str(e):
+                            return  # the namespace goes, and the Job with it (the real controller's case too)
+                        raise
         status.update(active=len(active), succeeded=len(succeeded), failed=len(failed),
                       completedIndexes=",".join(str(i) for i in sorted(succeeded)))
         try:
