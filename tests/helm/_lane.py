@@ -5,6 +5,7 @@ workers' Job, and reading what its pods said and wrote."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import tarfile
 import time
@@ -19,6 +20,11 @@ from ._chart import RELEASE
 
 # The Job's deadline in the failure cases, and the longest any job of these tests may take.
 JOB_TIMEOUT_S = 240
+
+
+def parse_time(text: str) -> float:
+    """An API timestamp ("2026-11-27T03:59:28Z") as seconds since the epoch."""
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def image_values(image: str) -> dict[str, str]:

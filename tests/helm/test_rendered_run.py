@@ -84,6 +84,10 @@ def test_chart_runs_the_job_on_kubernetes(mode: str, helm: Any, kube_chart: Any,
         assert result.condition == "Complete", (
             f"Job {job_name}: {result.condition}; pods:\n{_lane.describe(kube, ns)}\n"
             + "\n".join(f"--- pod {i}:\n{_lane.logs(kube, p, 'worker')[-3000:]}" for i, p in result.pods.items()))
+        # the NetworkPolicies Helm sent are stored (nothing enforces them here: no network plugin)
+        policies = [d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"]
+        stored = kube.api.items(f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies")
+        assert sorted(policies) == sorted(p["metadata"]["name"] for p in stored) and policies, (policies, stored)
         if mode == "tcp":
             _check_master(kube, ns, docker_client)
             with _lane.helm_config(helm, kube, ns) as cfg:
@@ -159,9 +163,8 @@ def _wait_master_ready(kube: Any, ns: str) -> float:
         for p in _lane.pods(kube, ns, "master"):
             for c in p["status"].get("conditions", []):
                 if c["type"] == "Ready" and c["status"] == "True":
-                    from ._pods import _parse_time
-
-                    return max(0.001, _parse_time(c["lastTransitionTime"]) - _parse_time(p["metadata"]["creationTimestamp"]))
+                    return max(0.001, _lane.parse_time(c["lastTransitionTime"])
+                               - _lane.parse_time(p["metadata"]["creationTimestamp"]))
         return None
 
     return float(kube.api.wait(f"the master pod of {ns} Ready", ready, 90))
