@@ -27,6 +27,40 @@ def parse_time(text: str) -> float:
     return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
+def dns_query(server: str, name: str, qtype: int, timeout_s: float = 2.0) -> list[str]:
+    """One UDP DNS question to ``server``:53 (qtype 1: A, 12: PTR): the answers' addresses or
+    names; [] for none or NXDOMAIN."""
+    import os
+    import socket
+    import struct
+
+    qid = int.from_bytes(os.urandom(2), "big")
+    query = struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0)
+    query += b"".join(bytes([len(x)]) + x.encode() for x in name.split(".")) + b"\0" + struct.pack("!HH", qtype, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout_s)
+        s.sendto(query, (server, 53))
+        reply = s.recv(512)
+    got_id, _flags, _qd, ancount = struct.unpack("!HHHH", reply[:8])
+    assert got_id == qid
+    at = 12 + len(query) - 12  # the question is echoed as asked
+    out = []
+    for _ in range(ancount):
+        at += 2  # a pointer to the question's name
+        rtype, _cls, _ttl, rdlen = struct.unpack("!HHIH", reply[at:at + 10])
+        data = reply[at + 10:at + 10 + rdlen]
+        at += 10 + rdlen
+        if rtype == 1:
+            out.append(socket.inet_ntoa(data))
+        elif rtype == 12:
+            labels, i = [], 0
+            while data[i]:
+                labels.append(data[i + 1:i + 1 + data[i]].decode())
+                i += 1 + data[i]
+            out.append(".".join(labels))
+    return out
+
+
 def image_values(image: str) -> dict[str, str]:
     repo, sep, tag = image.rpartition(":")
     if not sep or "/" in tag:

@@ -76,6 +76,13 @@ def test_a_deleted_worker_pod_is_named_replaced_and_the_job_completes(helm: Any,
         named_s = time.monotonic() - deleted_at
         replacement = kube.api.wait("a new pod for completion index 1", lambda: (
             (p := _pod_of(kube, ns, 1)) and p["metadata"]["uid"] != victim["metadata"]["uid"] and p), 60)
+        # cluster DNS names both running pods, forward and reverse, from the headless Service
+        for p in (pod0, kube.api.wait("the new pod's IP", lambda: (q := _pod_of(kube, ns, 1)) and q["status"].get("podIP") and q, 60)):
+            fqdn = f"{p['spec']['hostname']}.{JOB}.{ns}.svc.cluster.local"
+            ip = p["status"]["podIP"]
+            kube.api.wait(f"{fqdn} <-> {ip} in cluster DNS", lambda: _lane.dns_query(kube.cluster.dns_ip, fqdn, 1) == [ip]
+                          and _lane.dns_query(kube.cluster.dns_ip, ".".join(reversed(ip.split("."))) + ".in-addr.arpa", 12)
+                          == [fqdn], 15)
         result = _lane.wait_job(kube, ns, JOB)
         log0 = _lane.logs(kube, result.pods[0], "worker")
         print(f"\n[worker deleted] named after {named_s:.1f} s; replacement {replacement['metadata']['name']} "
