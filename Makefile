@@ -121,7 +121,7 @@ helm-lint: venv
 
 # The chart's real-cluster lane (tests/helm/test_rendered_run.py, test_kube_failures.py) needs
 # Kubernetes 1.20's server binaries, built once from Debian's source package into
-# ~/.cache/distlib/kube-1.20 (about 12 minutes on 2 cores; later runs find it at once). Built
+# ~/.cache/distlib/kube-1.20 (7-11 minutes on 2 cores; later runs find it at once). Built
 # here rather than inside a test, so the tests' timeouts do not cover the cold build. Where the
 # build cannot run (not root on Debian) it says so, and the lane skips (fails in CI).
 kube-build:

@@ -60,7 +60,7 @@ class ApiError(KubeError):
 
 def build() -> Path:
     """The cached build's directory (bin/kube-*, bin/etcd, bin/pause); builds it the first time
-    (about 12 minutes on 2 cores; the script's progress goes to stderr)."""
+    (7-11 minutes on 2 cores; the script's progress goes to stderr)."""
     env = dict(os.environ, DISTLIB_CACHE=settings.cache_dir())
     proc = subprocess.run(["bash", str(BUILD_SCRIPT)], env=env, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:

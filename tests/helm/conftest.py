@@ -86,7 +86,7 @@ class Kube:
 @pytest.fixture(scope="session")
 def kube(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     """Kubernetes 1.20 (etcd, apiserver, controller-manager, scheduler, kubelet) on 127.0.0.1,
-    built once into settings.cache_dir() (tests/platforms/build-kube.sh, ~12 min cold)."""
+    built once into settings.cache_dir() (tests/platforms/build-kube.sh, 7-11 min cold)."""
     if shutil.which("apt-get") is None or not os.path.exists("/proc/self/mountinfo"):
         _unavailable("the real-cluster tests need a Debian Linux host (apt-get) to build Kubernetes")
     if os.geteuid() != 0:

@@ -17,7 +17,7 @@
 # Nothing is installed into the host but rsync (the source tree's make needs it): Go comes from
 # Debian's golang-1.19-go/-src packages unpacked into a scratch directory; the source package is
 # fetched with a private apt configuration (a deb-src line for the host's Debian mirror, its own
-# lists), so the host's apt sources stay as they are. About 12 minutes on 2 cores.
+# lists), so the host's apt sources stay as they are. 7-11 minutes on 2 cores (410 s alone, 654 s beside other builds).
 #
 # Environment:
 #   DISTLIB_CACHE   default ~/.cache/distlib
@@ -117,7 +117,7 @@ done
 # the upstream version the package holds ("1.20.5+really1.20.2-1.1+deb12u1" -> v1.20.2): what the
 # binaries report (the tree has no .git to describe)
 version="v$(sed -n 's/^Version: //p' "$dsc" | sed 's/.*really//; s/[-+].*//')"
-log "make WHAT=\"$WHAT\" with $("$GOROOT/bin/go" version | cut -d' ' -f3) (about 12 minutes; log: $LOGS/make.log)"
+log "make WHAT=\"$WHAT\" with $("$GOROOT/bin/go" version | cut -d' ' -f3) (7-11 minutes; log: $LOGS/make.log)"
 (cd "$TREE" && env GOROOT="$GOROOT" PATH="$GOROOT/bin:$PATH" GOPATH="$WORK" GOCACHE="$WORK/gocache" \
     KUBE_GIT_VERSION="$version" KUBE_GIT_TREE_STATE=clean \
     make WHAT="$WHAT" >"$LOGS/make.log" 2>&1) ||
