@@ -251,6 +251,10 @@ class ElasticAgent:
             if heart.problem:
                 raise StoreGone(heart.problem)
             raw, state = rounds.read()
+            if state is None:  # the store answers but holds no job: a master service that restarted
+                raise StoreGone(f"the rendezvous store ({rounds.where}) answers again but no longer holds run "
+                                f"{self.run_id!r}: it restarted and lost the job's state (a master service must "
+                                "outlive the job)")
             now = time.monotonic()
             if state.round != seen_round:
                 seen_round, opened_at, min_at = state.round, now, None

@@ -1,5 +1,7 @@
-"""Fixtures of the Helm chart tests: the chart loaded once with Helm's engine, and the
-Kubernetes versions the rendered manifests are validated against.
+"""Fixtures of the Helm chart tests: the chart loaded once with Helm's engine, the
+Kubernetes versions the rendered manifests are validated against, and a real Kubernetes 1.20
+cluster on this machine (``kube``: _kube.py, with the two stand-ins of _pods.py) the chart is
+installed into.
 
 helm-python-sdk and kubernetes-validate come with the test extras (pip install -e '.[test]');
 where they cannot be installed the tests that need them are skipped with the reason.
@@ -7,11 +9,17 @@ where they cannot be installed the tests that need them are skipped with the rea
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from distlib import settings
+
+from . import _kube, _pods
 from ._chart import CHART_DIR, WANTED_KUBE_VERSIONS
 
 
@@ -48,3 +56,66 @@ def kube_versions(kubernetes_validate: Any) -> list[str]:
         f"the chart tests need at least two of {WANTED_KUBE_VERSIONS}: upgrade it"
     )
     return versions
+
+
+def _unavailable(reason: str) -> None:
+    if settings.require_docker():
+        pytest.fail(f"{reason} (DISTLIB_REQUIRE_DOCKER=1: the real-cluster tests must run)", pytrace=False)
+    pytest.skip(reason)
+
+
+@dataclass
+class Kube:
+    """The running cluster and its two stand-ins."""
+
+    cluster: _kube.Cluster
+    jobs: _pods.IndexedJobs
+    dns: _pods.ClusterDNS
+
+    @property
+    def api(self) -> _kube.Api:
+        return self.cluster.api
+
+    def check(self) -> None:
+        """The control plane still runs and the stand-ins have raised nothing."""
+        self.cluster.check_alive()
+        for loop in (self.jobs, self.dns):
+            assert not loop.errors, f"{type(loop).__name__} failed: {loop.errors[:3]}"
+
+
+@pytest.fixture(scope="session")
+def kube(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
+    """Kubernetes 1.20 (etcd, apiserver, controller-manager, scheduler, kubelet) on 127.0.0.1,
+    built once into settings.cache_dir() (tests/platforms/build-kube.sh, 7-11 min cold)."""
+    if shutil.which("apt-get") is None or not os.path.exists("/proc/self/mountinfo"):
+        _unavailable("the real-cluster tests need a Debian Linux host (apt-get) to build Kubernetes")
+    if os.geteuid() != 0:
+        _unavailable("the kubelet needs root (mounts, the Docker socket)")
+    try:
+        build = _kube.build()
+    except _kube.KubeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with _kube.start(build, tmp_path_factory.mktemp("kube"), docker_client) as cluster:
+        dns = _pods.ClusterDNS(cluster.api, cluster.dns_ip).start()
+        jobs = _pods.IndexedJobs(cluster.api).start()
+        try:
+            yield Kube(cluster, jobs, dns)
+        finally:
+            jobs.close()
+            dns.close()
+
+
+@pytest.fixture(scope="session")
+def kube_chart(helm: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The chart as the real-cluster lane installs it: a copy with Chart.yaml's kubeVersion
+    (>=1.28, for the Job labels 1.27/1.28 add) lifted, since Helm refuses a 1.20 cluster; those
+    labels are what the Indexed Job stand-in gives the pods. Nothing else differs."""
+    copy = tmp_path_factory.mktemp("chart") / "distlib"
+    shutil.copytree(CHART_DIR, copy)
+    meta = copy / "Chart.yaml"
+    lines = meta.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not line.startswith("kubeVersion:")]
+    assert len(kept) == len(lines) - 1, "Chart.yaml has no kubeVersion line to lift"
+    meta.write_text("".join(kept))
+    with helm.Chart.load(str(copy)) as loaded:
+        yield loaded

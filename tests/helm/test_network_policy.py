@@ -2,8 +2,8 @@
 the release's own pods (workers, master, helm test pod) reach the master's port and the
 workers' ports. Checked on the rendered manifests (which pods each policy selects and admits,
 by the labels the other templates give them), against the values schema, and against the
-Kubernetes API schemas. A real cluster's network plugin enforcing them is the cluster lane's
-part; the Docker emulation of the chart (test_rendered_run.py) does not enforce them."""
+Kubernetes API schemas. The real-cluster lane (test_rendered_run.py, Kubernetes 1.20) has the
+apiserver store them, but no network plugin there enforces them: enforcement is untested."""
 
 from __future__ import annotations
 

@@ -340,6 +340,31 @@ def test_the_store_lost_fails_every_node_naming_it(make_job, tmp_path):
                          r"answer for \S+", text), text[-2000:]
 
 
+def test_a_store_restarted_empty_fails_every_node_naming_it(make_job, tmp_path):
+    """A master service restarted within the heartbeat bound (a Kubernetes Deployment replaces
+    its deleted pod in seconds) answers again, but without the job: every node fails naming the
+    store, no crash on the missing state."""
+    server = StoreServerProcess("127.0.0.1", env=clean_env()).start()
+    port = server.port
+    endpoint = f"127.0.0.1:{port}"
+    job = make_job(endpoint, "store-restarted", "2", 3, EW_STEPS="1000")
+    try:
+        job.start(2)
+        job.started(0, 2)
+    finally:
+        server.stop()
+    with StoreServerProcess("127.0.0.1", port, env=clean_env()):
+        restarted_at = time.monotonic()
+        codes = job.wait(timeout=60)
+    assert set(codes.values()) == {1}, codes
+    assert time.monotonic() - restarted_at < 30
+    for agent in job.agents:
+        text = job.log(agent)
+        assert "launcher/elastic_agent.py" not in text, text[-3000:]  # the agent did not crash
+        assert re.search(rf"the elastic job cannot go on: the rendezvous store \(TCPStore server {endpoint}\) answers "
+                         r"again but no longer holds run 'store-restarted'", text), text[-2000:]
+
+
 def test_nodes_started_with_other_limits_are_refused(make_job, tcp_endpoint, tmp_path):
     job = make_job(tcp_endpoint, "limits", "2:3", 1, EW_STEPS="100")
     job.start(1)
