@@ -86,7 +86,7 @@ def test_the_store_file_of_a_crashed_run_is_named_and_the_documented_way_out_wor
 
 
 def test_a_wait_spanning_an_nfs_server_restart_ends_when_the_server_is_back(nfs_hosts):
-    """c1 waits for a key; the kernel server restarts (down 3 s, then a 10 s grace period);
+    """c1 waits for a key; the kernel server restarts (down 3 s, then a grace period of LEASE_S, 20 s);
     c2 sets the key. The wait returns the value, and while c1's calls were blocked it said so,
     naming the server."""
     c1, c2 = nfs_hosts.clients[:2]
