@@ -84,13 +84,14 @@ class Job:
 
     def started(self, round_: int, count: int, timeout: float = 60) -> Dict[int, int]:
         """{global rank: agent pid} once ``count`` workers of ``round_`` ran their first all_reduce."""
-        def ready():
-            return len(list(self.mark.glob(f"started-{round_}-*"))) >= count
+        def marks():  # a worker writes started-R-N.tmp, then renames it: only whole marks count
+            return [p for p in self.mark.glob(f"started-{round_}-*") if not p.name.endswith(".tmp")]
+
         try:
-            wait_for(ready, timeout, f"{count} workers of round {round_}")
+            wait_for(lambda: len(marks()) >= count, timeout, f"{count} workers of round {round_}")
         except AssertionError:
             raise AssertionError("\n".join(self.log(a)[-1500:] for a in self.agents)) from None
-        return {int(p.name.rsplit("-", 1)[1]): int(p.read_text()) for p in self.mark.glob(f"started-{round_}-*")}
+        return {int(p.name.rsplit("-", 1)[1]): int(p.read_text()) for p in marks()}
 
     def records(self, round_: int) -> Dict[int, dict]:
         return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in self.out.glob(f"{round_}-*.json")}
