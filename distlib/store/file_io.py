@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import DistStoreError
@@ -35,7 +36,7 @@ from ..exposure import symlink_refusal
 from . import file_log
 from .base import add_to_counter, compare_set_refusal
 from .file_locks import LOCK_EX, LOCK_SH, lock, os_error, unlock_close
-from .file_sidecar import Liveness
+from .file_sidecar import RENEW_S, Liveness
 
 log = logging.getLogger("distlib.store.file")
 
@@ -364,6 +365,7 @@ class LogFile:
 
         Called between polls of get/wait (a poll sleeps ≥ 1 ms, so the stat is free there),
         so a waiter on a file that went away fails with the reason instead of timing out.
+        Every ``RENEW_S`` it also renews the liveness lock (``Liveness.renew``).
         """
         try:
             st = os.stat(self.path)
@@ -376,6 +378,10 @@ class LogFile:
                 f"FileStore: store file {self.path} was replaced by another file while this "
                 f"FileStore was using it (removed and created again)."
             )
+        now = time.monotonic()
+        if now - self.liveness.renewed >= RENEW_S:
+            with self.shared.mutex:
+                self.liveness.renew(now)
 
     # -- operations (each: one open/lock/read/[write]/unlock/close cycle) ------------------------
 

@@ -2,7 +2,8 @@
 
 Joining (the FileStore constructor) opens the file, creating it, under its ``LOCK_EX``,
 re-opening the path when a closing user unlinked it while we waited for the lock; checks
-that it is a regular file; refuses a file a crashed earlier run left (``file_sidecar.py``);
+that it is a regular file; refuses a file a crashed earlier run left (``file_sidecar.py``;
+looked at twice, ``SETTLE_S`` apart, so live NFS users that lost their locks can renew them);
 and adds 1 to ``refcount/``. Closing (``close()``, the destructor, interpreter exit) adds 1
 to ``cleanup/`` and -1 to ``refcount/`` in one locked cycle, and unlinks the file when the
 refcount reaches 0, ``world_size >= 0`` and ``cleanup >= world_size`` (torch's rule).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 
 from ..deadline import Deadline, format_duration
 from ..errors import DistStoreError
@@ -23,6 +25,7 @@ from ..exposure import check_store_path
 from . import file_log
 from .file_io import _OPENING, _READ_MAX, _RW_FLAGS, _WR_FLAGS, LogFile
 from .file_locks import LOCK_EX, describe_kind, lock, os_error, unlink, unlock_close
+from .file_sidecar import SETTLE_S, StaleSuspected
 
 log = logging.getLogger("distlib.store.file")
 
@@ -44,12 +47,28 @@ class JoinedFile(LogFile):
         are serialised: the stale check and the refcount see a settled file.
         """
         self.nofollow = check_store_path(self.path)  # warnings (once), O_NOFOLLOW in a world-writable directory
+        try:
+            self._join_once(settled=False)
+        except StaleSuspected as suspected:
+            log.warning(
+                "FileStore %s: its side file counts %d user(s) but none holds the liveness lock: "
+                "a crashed run, or live users on NFS whose locks a server restart took; looking "
+                "again in %s, after live users have renewed their locks",
+                self.path, suspected.users, format_duration(SETTLE_S),
+            )
+            time.sleep(SETTLE_S)
+            self.cache.clear()  # nothing was joined: read the file afresh
+            self.offset, self.tail = 0, b""
+            self._join_once(settled=True)
+        log.debug("joined %s (refcount now %s)", self.path, self.cache.get(_REFCOUNT))
+
+    def _join_once(self, settled: bool) -> None:
         with self.shared.mutex:
             fd = self._open_locked_for_join()
             try:
                 self._catch_up(fd)
                 stale = (lambda users: self._stale_error(fd, users)) if self.offset > 0 else None
-                self.liveness.join(stale, self.lock_wait_s, self.nofollow)
+                self.liveness.join(stale, self.lock_wait_s, self.nofollow, settled)
                 try:
                     self._add_locked(fd, _REFCOUNT, 1, "refcount/")
                 except BaseException:
@@ -58,7 +77,6 @@ class JoinedFile(LogFile):
                     raise
             finally:
                 unlock_close(fd)
-        log.debug("joined %s (refcount now %s)", self.path, self.cache.get(_REFCOUNT))
 
     def _open_locked_for_join(self) -> int:
         """Open (creating) and LOCK_EX the file the path names *after* the lock is granted.

@@ -17,13 +17,22 @@ naming both files. A store file without a side file was created by torch (whose 
 hold no liveness lock), or its distlib users all closed cleanly (the last one removes the
 side file): nothing to tell, so join. Counting users (not just testing the lock) keeps live
 *torch* users of a shared file from looking like a crash.
+
+A lock can also vanish under a live user: an NFS client that misses the server's grace
+period after a restart cannot reclaim its locks, and Linux drops them without telling the
+process (``nfs.recover_lost_locks=0``, the default). So a live user takes its lock afresh,
+on a new descriptor, every ``RENEW_S`` while it waits on the store (``renew``), and a joiner
+that finds counted users but no lock looks again after ``SETTLE_S`` (``StaleSuspected``)
+before it calls the file a dead run's.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import time
 from typing import Callable, Optional
 
 from ..errors import DistStoreError
@@ -36,6 +45,22 @@ SIDECAR_SUFFIX = ".distlib-live"
 
 _FILE_MODE = 0o644
 
+#: How often a live user, while it waits on the store, takes its liveness lock afresh.
+RENEW_S = 1.0
+#: How long a joiner that finds counted users but no lock waits before it looks again:
+#: a waiting live user renews within RENEW_S plus one poll.
+SETTLE_S = 3.0 * RENEW_S
+
+
+class StaleSuspected(Exception):
+    """The side file counts ``users`` users, yet none holds its lock: a dead run, or live
+    users whose locks an NFS server restart took. The joiner releases the store file, waits
+    ``SETTLE_S`` for live users to renew, and joins again with ``settled=True``."""
+
+    def __init__(self, users: int) -> None:
+        super().__init__(users)
+        self.users = users
+
 
 class Liveness:
     """One FileStore's registration in the side file of its store file.
@@ -45,20 +70,24 @@ class Liveness:
     definition and skips the stale check).
     """
 
-    __slots__ = ("store_path", "path", "shared", "fd")
+    __slots__ = ("store_path", "path", "shared", "fd", "nofollow", "renewed")
 
     def __init__(self, store_path: str, real_path: str, shared) -> None:
         self.store_path = store_path
         self.path = real_path + SIDECAR_SUFFIX
         self.shared = shared
         self.fd: Optional[int] = None
+        self.nofollow = 0
+        self.renewed = 0.0  # time.monotonic() of the last renew
 
     def join(self, stale_error: Optional[Callable[[int], DistStoreError]], lock_wait_s: float,
-             nofollow: int = 0) -> None:
+             nofollow: int = 0, settled: bool = True) -> None:
         """Detect a dead run's store file, then count this user in (the caller holds the store
         file's LOCK_EX). ``stale_error(dead_users)`` builds the error when the store file
         holds records; None when it is empty (a dead count on an empty file is forgotten).
-        ``nofollow``: O_NOFOLLOW in a directory every user may write to (exposure.py)."""
+        ``nofollow``: O_NOFOLLOW in a directory every user may write to (exposure.py).
+        ``settled=False``: raise ``StaleSuspected`` instead of the error (a first look)."""
+        self.nofollow = nofollow
         try:
             sfd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | nofollow, _FILE_MODE)
         except OSError as exc:
@@ -69,7 +98,7 @@ class Liveness:
             users = _read_users(sfd, self.path)
             if self.shared.live == 0 and try_lock_exclusive(sfd, self.path):
                 if users > 0 and stale_error is not None:
-                    raise stale_error(users)
+                    raise stale_error(users) if settled else StaleSuspected(users)
                 if users > 0:
                     log.info("%s counted %d user(s) of a store file that is now empty; starting afresh",
                              self.path, users)
@@ -80,7 +109,45 @@ class Liveness:
             os.close(sfd)
             raise
         self.fd = sfd
+        self.renewed = time.monotonic()
         self.shared.live += 1
+
+    def renew(self, now: float) -> None:
+        """Take the liveness lock again on a new descriptor, then let the old one go (the
+        caller holds the process mutex; ``now`` is time.monotonic()). An NFS client may have
+        lost the old lock in a server restart without a word; a new descriptor is a new lock
+        owner, so the server grants it afresh. Busy (a joiner is checking right now) or the
+        side file replaced: the old descriptor is kept and the next renew tries again."""
+        old = self.fd
+        self.renewed = now
+        if old is None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | self.nofollow)
+        except OSError as exc:
+            log.debug("cannot reopen the liveness file %s to renew its lock: %s", self.path, exc)
+            return
+        try:
+            mine, now_named = os.fstat(old), os.fstat(fd)
+            if (mine.st_dev, mine.st_ino) != (now_named.st_dev, now_named.st_ino):
+                os.close(fd)
+                return
+            fcntl.flock(fd, LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                log.warning("cannot renew the liveness lock on %s (%s): a joiner may take this "
+                            "live user of %s for a dead one", self.path, exc, self.store_path)
+            return
+        self.fd = fd
+        try:  # the old lock may be one the server no longer has: its unlock can fail
+            fcntl.flock(old, fcntl.LOCK_UN)
+        except OSError:
+            pass
+        try:
+            os.close(old)
+        except OSError:
+            pass
 
     def count_out(self, removing_store: bool) -> None:
         """Count this user out (the caller holds the store file's LOCK_EX).

@@ -39,7 +39,9 @@ def test_a_host_powered_off_mid_rendezvous_is_named_by_the_others(nfs_hosts):
     spare = nfs_hosts.spare()
     c1, c2 = nfs_hosts.clients[:2]
     directory = nfs_hosts.new_dir("nfs4.2", "poweroff")
-    url, timeout = f"file://{directory}/store", 25
+    # the server keeps a powered-off client's locks until its lease runs out (up to 2 leases
+    # after its last renewal); rank 1's join waits behind them, so the timeout outlasts that
+    url, timeout = f"file://{directory}/store", 2 * LEASE_S + 15
     c2.sh("rm -f /tmp/go").check()
     results = {}
 
@@ -109,6 +111,32 @@ def test_a_wait_spanning_an_nfs_server_restart_ends_when_the_server_is_back(nfs_
     warned = [line for line in waiter["stderr"].splitlines() if line.startswith("WARNING")]
     assert any("NFS server srv:/export (mount /mnt/nfs4.2, nfs4)" in line for line in warned), \
         f"c1 never said it was waiting for the server: {waiter['stderr'][-2000:]}"
+
+
+def test_a_live_user_whose_host_missed_the_grace_period_is_not_taken_for_a_dead_run(nfs_hosts):
+    """c1 joins a store and waits for a key; its VM is frozen while the kernel server restarts
+    and stays frozen until the grace period is over, so c1's client cannot reclaim its liveness
+    lock (Linux then drops it without telling the process). c2 then joins and sets the key: it
+    must join (c1 is alive, and renews its lock while it waits), not refuse the file as a
+    crashed run's; and c1's wait returns the value."""
+    c1, c2 = nfs_hosts.clients[:2]
+    path = f"{nfs_hosts.new_dir('nfs4.2', 'lostlock')}/store"
+    c1.sh("rm -f /tmp/waiting").check()
+    waiter = {}
+    thread = threading.Thread(target=lambda: waiter.update(script(c1, "store_steps.py", ["wait", path, "after", "240"],
+                                                                  360)))
+    thread.start()
+    wait_for_marker(c1, "/tmp/waiting", 200)
+    c1.freeze()
+    try:
+        nfs_hosts.server.run(["/bin/sh", GUEST_NFS, "server-restart", "3"], timeout=120).check()
+        time.sleep(LEASE_S + 5)  # the grace period ends while c1 stands still
+    finally:
+        c1.thaw()
+    setter = script(c2, "store_steps.py", ["set", path, "after", "240"], 360)
+    thread.join()
+    assert setter.get("ok"), f"c2 was refused although c1 is alive and waiting: {setter}"
+    assert waiter.get("value") == "set after the restart", waiter
 
 
 def test_a_call_on_a_server_that_stays_down_gives_up_naming_the_server(nfs_hosts):

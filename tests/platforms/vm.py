@@ -318,6 +318,14 @@ class VM:
         self.run(["/bin/sh", "-c", f"nohup {shlex.join(argv)} >/tmp/{name}.out 2>/tmp/{name}.err </dev/null &"],
                  timeout=30, env=env).check()
 
+    def freeze(self) -> None:
+        """Stop the VM's QEMU (SIGSTOP): the guest stands still, as a host stalled by swapping or
+        a hung hypervisor, and misses every lease and grace period until ``thaw``."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
+
     def power_off(self) -> None:
         """Pull the plug: QEMU is killed, the guest gets no chance to say goodbye (no NFS
         unlock, no TCP FIN)."""

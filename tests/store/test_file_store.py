@@ -552,6 +552,46 @@ def test_file_with_a_live_user_is_joined(path):
         child.wait(timeout=30)
 
 
+CHILD_LOSES_ITS_LOCK_AND_WAITS = """
+import fcntl, sys
+from distlib.store import file_io
+from distlib.store.file import FileStore
+file_io.RENEW_S = 2.0  # renews 2 s after joining: after the parent's first look, before its second
+s = FileStore(sys.argv[1], 2)
+s.set("from-live-user", "1")
+fcntl.flock(s._log.liveness.fd, fcntl.LOCK_UN)  # as an NFS server restart does, unseen
+print("ready", flush=True)
+s.wait(["go"], __import__("datetime").timedelta(seconds=60))
+print(s.get("go").decode(), flush=True)
+s.close()
+"""
+
+
+def test_a_live_user_that_lost_its_lock_is_not_taken_for_a_dead_run(path, caplog):
+    """An NFS client that missed the server's grace period loses its locks unseen. The live
+    user renews its liveness lock while it waits; the joiner, finding counted users but no
+    lock, looks again SETTLE_S later and joins instead of calling the file a dead run's."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD_LOSES_ITS_LOCK_AND_WAITS, path],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", f"child did not start (exit {child.poll()})"
+        with caplog.at_level("WARNING", logger="distlib.store.file"):
+            store = FileStore(path, 2)
+        looked_again = [r.getMessage() for r in caplog.records if "looking again" in r.getMessage()]
+        assert looked_again, "the joiner found the unlocked side file yet did not say it looks again"
+        assert "counts 1 user(s) but none holds the liveness lock" in looked_again[0], looked_again[0]
+        assert store.get("from-live-user") == b"1"
+        assert Path(path + SIDECAR_SUFFIX).read_text() == "2\n"
+        store.set("go", "joined")
+        assert child.stdout.readline().strip() == "joined"
+        assert child.wait(timeout=30) == 0
+        store.close()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert not os.path.exists(path) and not os.path.exists(path + SIDECAR_SUFFIX)
+
+
 def test_clean_exit_without_close_removes_both_files(path):
     code = "import sys\nfrom distlib.store.file import FileStore\ns = FileStore(sys.argv[1], 1)\ns.set('k', 'v')\n"
     subprocess.run([sys.executable, "-c", code, path], check=True, timeout=60)
