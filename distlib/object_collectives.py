@@ -66,10 +66,17 @@ def broadcast_object_list(object_list: List[Any], src: Optional[int] = None, gro
             offset += size
 
 
-def _gathered_sizes(pg, group, kit, mine: np.ndarray) -> np.ndarray:
+def _padded_to_longest(pg, group, kit, obj: Any):
+    """(every rank's pickled size, the longest, this rank's pickle padded to it): the sizes
+    are gathered first so every rank sends the same number of bytes."""
+    mine = _to_array(obj)
     sizes = kit.put(np.zeros(pg.size(), dtype=np.int64))
     C.all_gather_into_tensor(sizes, kit.put(np.array([mine.size], dtype=np.int64)), group=group)
-    return kit.get(sizes)
+    sizes = kit.get(sizes)
+    longest = int(sizes.max())
+    padded = np.zeros(longest, np.uint8)
+    padded[: mine.size] = mine
+    return sizes, longest, padded
 
 
 def all_gather_object(object_list: List[Any], obj: Any, group=None) -> None:
@@ -80,11 +87,7 @@ def all_gather_object(object_list: List[Any], obj: Any, group=None) -> None:
     if len(object_list) != pg.size():
         raise ValueError(f"object_list has {len(object_list)} items but the group has {pg.size()} ranks")
     kit = _arrays_for(pg)
-    mine = _to_array(obj)
-    sizes = _gathered_sizes(pg, group, kit, mine)
-    longest = int(sizes.max())
-    padded = np.zeros(longest, np.uint8)
-    padded[: mine.size] = mine
+    sizes, longest, padded = _padded_to_longest(pg, group, kit, obj)
     everything = kit.put(np.empty(longest * pg.size(), np.uint8))
     C.all_gather_into_tensor(everything, kit.put(padded), group=group)
     everything = kit.get(everything)
@@ -103,11 +106,7 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
     if pg.rank() == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
         raise ValueError(f"object_gather_list must be a list of {pg.size()} items on the destination rank")
     kit = _arrays_for(pg)
-    mine = _to_array(obj)
-    sizes = _gathered_sizes(pg, group, kit, mine)
-    longest = int(sizes.max())
-    padded = np.zeros(longest, np.uint8)
-    padded[: mine.size] = mine
+    sizes, longest, padded = _padded_to_longest(pg, group, kit, obj)
     outputs = [kit.put(np.empty(longest, np.uint8)) for _ in range(pg.size())] if pg.rank() == root else None
     C.gather(kit.put(padded), outputs, group_dst=root, group=group)
     if pg.rank() == root:

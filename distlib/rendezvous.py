@@ -162,6 +162,20 @@ def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, time
                     multi_tenant=True, use_libuv=_use_libuv(query))
 
 
+def _rank_and_world_size(query: Dict[str, str], error: Callable[[str], ValueError],
+                         origins: Optional[Dict[str, str]]) -> Tuple[int, int]:
+    """The rank and world size a tcp:// or file:// URL must carry in its query (torch's
+    messages when one is missing), checked by ``_checked``."""
+    if "rank" not in query:
+        raise error("rank parameter missing")
+    if "world_size" not in query:
+        raise error("world size parameter missing")
+    rank = int(query["rank"])
+    world_size = int(query["world_size"])
+    _checked(error, query, origins or {}, rank, world_size)
+    return rank, world_size
+
+
 def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, wait_for_workers: bool = True,
                             origins: Optional[Dict[str, str]] = None, **kwargs):
     def error(msg: str) -> ValueError:
@@ -171,13 +185,7 @@ def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, w
     if not result.port:
         raise error("port number missing")
     query = _query_to_dict(result.query)
-    if "rank" not in query:
-        raise error("rank parameter missing")
-    if "world_size" not in query:
-        raise error("world size parameter missing")
-    rank = int(query["rank"])
-    world_size = int(query["world_size"])
-    _checked(error, query, origins or {}, rank, world_size)
+    rank, world_size = _rank_and_world_size(query, error, origins)
     assert result.hostname is not None, f"tcp:// URL without a host: {url}"
     store = create_c10d_store(result.hostname, result.port, rank, world_size, timeout, query, wait_for_workers)
     yield (store, rank, world_size)
@@ -241,13 +249,7 @@ def _file_rendezvous_handler(url: str, origins: Optional[Dict[str, str]] = None,
     if not path:
         raise error("path missing")
     query = _query_to_dict(result.query)
-    if "rank" not in query:
-        raise error("rank parameter missing")
-    if "world_size" not in query:
-        raise error("world size parameter missing")
-    rank = int(query["rank"])
-    world_size = int(query["world_size"])
-    _checked(error, query, origins or {}, rank, world_size)
+    rank, world_size = _rank_and_world_size(query, error, origins)
     store = FileStore(path, world_size)
     yield (store, rank, world_size)
     raise RuntimeError("Unable to perform rerendezvous using file:// method")

@@ -40,7 +40,7 @@ from distlib.store.tcp import TCPStore
 from distlib.store.tcp import codec as proto
 from distlib.store.tcp.security import StoreSecurity
 from tests.fixtures.ports import free_port
-from tests.fixtures.procfs import memory_bytes
+from tests.fixtures.procfs import memory_bytes, stop
 
 MiB = 1024 * 1024
 #: CPUs of (the server and the good client, the attackers) with ``--pin``; None: no pinning.
@@ -101,12 +101,7 @@ class Server:
         return self.log_path.read_text()
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop(self.proc)
         self.log_file.close()
 
 

@@ -29,7 +29,7 @@ from distlib.store.tcp import codec as proto
 from distlib.store.tcp.security import StoreSecurity
 from distlib.store.tcp.server import MAX_HELD_REQUESTS
 from tests.fixtures.ports import free_port
-from tests.fixtures.procfs import cpu_seconds, memory_bytes
+from tests.fixtures.procfs import cpu_seconds, memory_bytes, stop
 from tests.fixtures.sockets import closed_by_server, recv_exact
 
 MiB = 1024 * 1024
@@ -82,12 +82,7 @@ class Service:
         return sock
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop(self.proc)
         self.log_file.close()
 
 
