@@ -143,8 +143,10 @@ class JoinedFile(LogFile):
         return DistStoreError(
             f"FileStore: store file {self.path} holds {records} records from an earlier run "
             f"whose processes are gone (refcount {refcount}, cleanup {cleanup}; {dead_users} distlib "
-            f"user(s) never closed it: killed or crashed). Joining it would mix that run's keys "
-            f"into this one. Remove {self.path} and {self.liveness.path} and start again."
+            f"user(s) never closed it: killed or crashed, or their host lost). Joining it would mix "
+            f"that run's keys into this one. (If this job's own ranks wrote them, one of them died "
+            f"before this rank joined: read its log.) Remove {self.path} and {self.liveness.path} "
+            f"and start again."
         )
 
     # -- closing: destructor -------------------------------------------------------------------

@@ -33,7 +33,7 @@ def test_a_v3_nolock_mount_is_refused_naming_the_mount(nfs_hosts):
 
 def test_a_host_powered_off_mid_rendezvous_is_named_by_the_others(nfs_hosts):
     """Ranks 0 (c1) and 2 (the spare) start; rank 1 (c2) is started too but holds back before
-    init_process_group. Once rank 2 has written its join record it is powered off (no goodbye
+    init_process_group. Once ranks 0 and 2 have written their join records, rank 2's host is powered off (no goodbye
     reaches anyone), and rank 1 goes. Ranks 0 and 1 must fail within their timeout, naming
     rank 2 and the address it published."""
     spare = nfs_hosts.spare()
@@ -56,8 +56,12 @@ def test_a_host_powered_off_mid_rendezvous_is_named_by_the_others(nfs_hosts):
     for t in threads:
         t.start()
     # rank 2's record is in its own view of the file (its flock unlock wrote it to the server);
-    # it cannot get further before rank 1 joins
-    spare.sh(f"until grep -a -q 'join/2' {directory}/store 2>/dev/null; do sleep 0.2; done", timeout=200).check()
+    # it cannot get further before rank 1 joins. Rank 0's record too: a rank 0 that joined only
+    # after the power-off would find the dead host the file's one user, and (once its lease
+    # ran out) be told the file is a crashed run's, which it then is
+    store = f"{directory}/store"
+    spare.sh(f"until grep -a -q 'join/2' {store} && grep -a -q 'join/0' {store}; do sleep 0.2; done 2>/dev/null",
+             timeout=200).check()
     spare.power_off()
     c2.sh("touch /tmp/go").check()
     for t in threads:
