@@ -379,7 +379,8 @@ class LogFile:
                 f"FileStore was using it (removed and created again)."
             )
         now = time.monotonic()
-        if now - self.liveness.renewed >= RENEW_S:
+        if now - self.liveness.renewed >= RENEW_S and os.getpid() == self.pid:
+            # (a forked copy must not: its descriptor shares the parent's lock, close() says why)
             with self.shared.mutex:
                 self.liveness.renew(now)
 

@@ -641,6 +641,40 @@ def test_forked_child_does_not_count_the_parents_user_out(path):
     assert [k for k, _ in records(path)].count(b"cleanup/") == 1
 
 
+FORK_AND_WAIT_SCRIPT = """
+import fcntl, os, sys, time
+from datetime import timedelta
+from distlib.store import file_io
+from distlib.store.file import FileStore
+file_io.RENEW_S = 0.05
+store = FileStore(sys.argv[1], 2)
+pid = os.fork()
+if pid == 0:  # waits long enough to be due for renewals many times over
+    try:
+        store.wait(["never"], timedelta(seconds=0.5))
+    except Exception:
+        pass
+    os._exit(0)
+os.waitpid(pid, 0)
+probe = os.open(sys.argv[1] + ".distlib-live", os.O_RDWR)
+try:
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("unlocked", flush=True)
+except BlockingIOError:
+    print("locked", flush=True)
+store.close()
+"""
+
+
+def test_a_forked_child_that_waits_leaves_the_parents_liveness_lock_alone(path):
+    """The child's descriptor of the side file shares the parent's lock: were the child to
+    renew it (and unlock the old descriptor), the parent would be left unlocked, and a joiner
+    would take the live parent for a dead run."""
+    out = subprocess.run([sys.executable, "-c", FORK_AND_WAIT_SCRIPT, path], check=True, timeout=60,
+                         capture_output=True, text=True).stdout
+    assert out.split() == ["locked"], f"after the forked child's wait the parent's side-file lock was: {out!r}"
+
+
 def test_threads_share_one_store_safely(path):
     with FileStore(path) as store:
         clone = store.clone()
