@@ -95,18 +95,25 @@ def test_the_store_file_of_a_crashed_run_is_named_and_the_documented_way_out_wor
     assert got["second"] == "joined" and got["old_keys_seen"] is False, got
 
 
+def _waiting(vm, path: str, timeout_s: int):
+    """Start store_steps.py's ``wait`` for the key "after" on ``vm`` (a thread) and return once
+    it waits: (the thread, the dict its result will fill)."""
+    vm.sh("rm -f /tmp/waiting").check()
+    waiter = {}
+    thread = threading.Thread(target=lambda: waiter.update(
+        script(vm, "store_steps.py", ["wait", path, "after", str(timeout_s)], timeout_s + 120)))
+    thread.start()
+    wait_for_marker(vm, "/tmp/waiting", 200)
+    return thread, waiter
+
+
 def test_a_wait_spanning_an_nfs_server_restart_ends_when_the_server_is_back(nfs_hosts):
     """c1 waits for a key; the kernel server restarts (down 3 s, then a grace period of LEASE_S, 20 s);
     c2 sets the key. The wait returns the value, and while c1's calls were blocked it said so,
     naming the server."""
     c1, c2 = nfs_hosts.clients[:2]
     path = f"{nfs_hosts.new_dir('nfs4.2', 'restart')}/store"
-    c1.sh("rm -f /tmp/waiting").check()
-    waiter = {}
-    thread = threading.Thread(target=lambda: waiter.update(script(c1, "store_steps.py", ["wait", path, "after", "180"],
-                                                                  300)))
-    thread.start()
-    wait_for_marker(c1, "/tmp/waiting", 200)
+    thread, waiter = _waiting(c1, path, 180)
     nfs_hosts.server.run(["/bin/sh", GUEST_NFS, "server-restart", "3"], timeout=120).check()
     setter = script(c2, "store_steps.py", ["set", path, "after", "180"], 300)
     thread.join()
@@ -125,12 +132,7 @@ def test_a_live_user_whose_host_missed_the_grace_period_is_not_taken_for_a_dead_
     crashed run's; and c1's wait returns the value."""
     c1, c2 = nfs_hosts.clients[:2]
     path = f"{nfs_hosts.new_dir('nfs4.2', 'lostlock')}/store"
-    c1.sh("rm -f /tmp/waiting").check()
-    waiter = {}
-    thread = threading.Thread(target=lambda: waiter.update(script(c1, "store_steps.py", ["wait", path, "after", "240"],
-                                                                  360)))
-    thread.start()
-    wait_for_marker(c1, "/tmp/waiting", 200)
+    thread, waiter = _waiting(c1, path, 240)
     c1.freeze()
     try:
         nfs_hosts.server.run(["/bin/sh", GUEST_NFS, "server-restart", "3"], timeout=120).check()
