@@ -15,6 +15,7 @@ import time
 from typing import IO, Dict, List, Optional
 
 from distlib.errors import DistError
+from distlib.tools.subprocesses import stop
 
 #: Fresh ports tried before giving up, when another process takes the chosen one first.
 START_ATTEMPTS = 3
@@ -113,16 +114,7 @@ class StoreServerProcess:
     def stop(self, timeout: float = 10.0) -> Optional[int]:
         """SIGTERM (the server exits cleanly on it), then SIGKILL after ``timeout``; the exit
         status, or None if it was not running."""
-        proc, status = self.proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout)
-            status = proc.returncode
+        status = None if self.proc is None else stop(self.proc, timeout)
         if self._log is not None:
             self._log.close()
             self._log = None

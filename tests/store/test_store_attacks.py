@@ -29,7 +29,8 @@ from distlib.store.tcp import codec as proto
 from distlib.store.tcp.security import StoreSecurity
 from distlib.store.tcp.server import MAX_HELD_REQUESTS
 from tests.fixtures.ports import free_port
-from tests.fixtures.procfs import cpu_seconds, memory_bytes, stop
+from tests.fixtures.procfs import cpu_seconds, memory_bytes
+from distlib.tools.subprocesses import stop
 from tests.fixtures.sockets import closed_by_server, recv_exact
 
 MiB = 1024 * 1024

@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..command import ToolError, run
 from ..jobs.compose_node import program_from_env, wait_for_workers
+from ..subprocesses import stop as stop_process
 
 PREFIX = "slurm_node:"
 CONF = Path("/etc/slurm/slurm.conf")
@@ -324,11 +325,7 @@ def controller(do_submit: bool) -> int:
     try:
         return submit(nodes)
     finally:
-        ctld.terminate()
-        try:
-            ctld.wait(10)
-        except subprocess.TimeoutExpired:
-            ctld.kill()
+        stop_process(ctld)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
