@@ -9,6 +9,9 @@ MODE    ?= tcp
 PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
+# Where the three packages' sources are, for environments that import the tree without installing
+# it (torch's interop environment, the GPU machine's plain copy).
+SRC_PATH := $(CURDIR):$(CURDIR)/deploy:$(CURDIR)/bench
 
 .PHONY: help venv host-tools test test-unit test-interop test-gpu demo image image-gpu cluster-up cluster-down cluster-logs cluster-kill \
         helm-lint helm-test kube-build bench-store bench-collectives clean
@@ -26,10 +29,12 @@ help:
 	@echo "make image-gpu     build the $(CUDA_IMAGE) image: cupy, NVRTC and NCCL from wheels (the driver comes from the host)"
 	@echo "make helm-lint / helm-test   lint, render and validate the Helm chart; install it into a real Kubernetes 1.20"
 
-$(VENV)/.installed: pyproject.toml
+# The three packages of the repository, editable: the library (.), the deployment (deploy/: the
+# cluster driver and the jobs) and the benchmarks (bench/).
+$(VENV)/.installed: pyproject.toml deploy/pyproject.toml bench/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test,mpi,cluster]'
+	$(VENV)/bin/pip install --quiet -e '.[test,mpi]' -e './deploy[cluster]' -e ./bench
 	touch $@
 
 venv: $(VENV)/.installed
@@ -71,7 +76,7 @@ $(INTEROP_MARKER):
 	touch $@
 
 test-interop: $(INTEROP_MARKER)
-	PYTHONPATH=$(CURDIR) $(INTEROP_VENV)/bin/python -m pytest -m interop -p no:cacheprovider $(PYTEST_ARGS)
+	PYTHONPATH=$(SRC_PATH) $(INTEROP_VENV)/bin/python -m pytest -m interop -p no:cacheprovider $(PYTEST_ARGS)
 
 # The GPU tests and the GPU benchmark in one go, on a machine with a GPU whose python3 has numpy,
 # cupy (with NCCL), pytest and, for the comparison, torch: a plain copy of the tree, no venv, no
@@ -79,16 +84,16 @@ test-interop: $(INTEROP_MARKER)
 # usable GPU it says why in one line and runs nothing. GPU_PYTHON picks the interpreter.
 GPU_PYTHON ?= python3
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m tests.gpu.run_gpu_suite $(PYTEST_ARGS)
+	PYTHONPATH=$(SRC_PATH) $(GPU_PYTHON) -m tests.gpu.run_gpu_suite $(PYTEST_ARGS)
 
 demo: venv
-	$(PY) -m distlib.cli demo
+	$(PY) -m distlib_deploy.demo
 
 bench-store: venv
-	$(PY) -m distlib.cli bench store
+	$(PY) -m distlib_bench store
 
 bench-collectives: venv
-	$(PY) -m distlib.cli bench collectives --nproc 2
+	$(PY) -m distlib_bench collectives --nproc 2
 
 image:
 	IMAGE=$(IMAGE) docker/build-image.sh
@@ -99,22 +104,22 @@ CUDA_IMAGE := $(if $(filter file,$(origin IMAGE)),distlib:cuda,$(IMAGE))
 image-gpu:
 	IMAGE=$(CUDA_IMAGE) TARGET=cuda docker/build-image.sh
 
-# distlib cluster (distlib/tools/cluster) reads the other variables from the environment:
+# distlib cluster (deploy/distlib_deploy/cluster) reads the other variables from the environment:
 # AUTH, GPU, NPROC_PER_NODE, MIN_NODES, MAX_RESTARTS, SKIP_BUILD, JOB, JOB_DIR, JOB_ARGS, JOB_MODULE, NFS_SERVER, NFS_PATH, COMPOSE,
 # CLUSTER_TIMEOUT, CLUSTER_STATE_DIR, QUIET, RUN_ID (`make cluster-up JOB=...` passes them on).
 # IMAGE is passed on only when given: the default is distlib:cpu, or distlib:cuda with GPU=1.
 cluster-up: venv
-	$(if $(filter file,$(origin IMAGE)),,IMAGE=$(IMAGE)) NODES=$(NODES) MODE=$(MODE) $(PY) -m distlib.tools.cluster up
+	$(if $(filter file,$(origin IMAGE)),,IMAGE=$(IMAGE)) NODES=$(NODES) MODE=$(MODE) $(PY) -m distlib_deploy.cluster up
 
 cluster-down: venv
-	$(PY) -m distlib.tools.cluster down
+	$(PY) -m distlib_deploy.cluster down
 
 cluster-logs: venv
-	$(PY) -m distlib.tools.cluster logs
+	$(PY) -m distlib_deploy.cluster logs
 
 # A lost node, from another terminal while `make cluster-up` runs (an elastic job goes on without it).
 cluster-kill: venv
-	NODE=$(NODE) $(PY) -m distlib.tools.cluster kill
+	NODE=$(NODE) $(PY) -m distlib_deploy.cluster kill
 
 helm-lint: venv
 	$(PY) -m pytest tests/helm -k lint $(PYTEST_ARGS)

@@ -1,9 +1,12 @@
-"""The ``distlib`` command: ``store-server``, ``run``, and the tools ``bench``, ``demo``, ``cluster``,
-``gpu-info``.
+"""The ``distlib`` command: ``store-server``, ``run``, ``gpu-info``, and the subcommands other
+packages add (``bench``, ``demo``, ``cluster``).
 
-``store-server`` (the master service) and ``run`` (the launcher) belong to the library; the
-tools live in ``distlib.tools`` and are imported only when their subcommand runs, as is
-everything else a subcommand needs, so ``distlib store-server --ping`` (a container
+``store-server`` (the master service), ``run`` (the launcher) and ``gpu-info`` belong to the
+library. The benchmarks (distlib-c10d-bench) and the deployment (distlib-c10d-deploy) are
+packages of their own, which the library does not import: each names its subcommands in the
+entry-point group ``distlib.commands`` (name = "module:function", the function taking the rest
+of the command line), and this command finds them only when one is asked for. Everything a
+subcommand needs is imported when it runs, so ``distlib store-server --ping`` (a container
 healthcheck, run every few seconds) starts fast and does not import numpy.
 """
 
@@ -12,19 +15,22 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from .settings import log_level
 
-#: subcommand -> (module whose ``main(argv)`` runs it, one line of help)
+#: The entry-point group in which other packages name their subcommands.
+COMMANDS_GROUP = "distlib.commands"
+#: The library's own tools: subcommand -> (module whose ``main(argv)`` runs it, one line of help).
 TOOLS = {
-    "bench": ("distlib.tools.bench", "benchmarks (store, collectives), side by side with torch"),
-    "demo": ("distlib.tools.demo", "a master service and 4 local processes that rendezvous through it (no Docker)"),
-    "cluster": ("distlib.tools.cluster", "the Compose cluster: up, down, logs, ps, report, config"),
-    "gpu-info": ("distlib.tools.gpu_info", "what the nccl backend finds here: cupy, CUDA, NCCL versions and the devices"),
+    "gpu-info": ("distlib.gpu_info", "what the nccl backend finds here: cupy, CUDA, NCCL versions and the devices"),
 }
-#: What `distlib bench NAME` runs: NAME -> its module under distlib.tools.bench.
-BENCHMARKS = {"store": "store", "collectives": "collectives_cli", "elastic": "elastic"}
+#: Subcommands of the project's other packages, for the message when one is not installed.
+ELSEWHERE = {
+    "bench": ("distlib-c10d-bench", "bench/", "benchmarks (store, collectives, elastic), side by side with torch"),
+    "demo": ("distlib-c10d-deploy", "deploy/", "a master service and 4 local processes that rendezvous through it"),
+    "cluster": ("distlib-c10d-deploy", "deploy/", "the Compose cluster: up, down, logs, ps, report, config, kill"),
+}
 
 
 def _security(args: argparse.Namespace):
@@ -39,7 +45,7 @@ def _security(args: argparse.Namespace):
 
 
 def _store_server(args: argparse.Namespace) -> int:
-    from .tools import command
+    from . import command
 
     from .store.tcp.budget import ClientLimits
 
@@ -66,7 +72,7 @@ def _ping(endpoint: str, timeout: float, security) -> int:
     """Exit 0 iff a store server at ``endpoint`` completes the handshake and a PING."""
     from .errors import DistError
     from .store.tcp.client import TCPStore
-    from .tools.command import ToolError, parse_endpoint
+    from .command import ToolError, parse_endpoint
 
     try:
         host, port = parse_endpoint(endpoint)
@@ -84,21 +90,27 @@ def _ping(endpoint: str, timeout: float, security) -> int:
     return 0
 
 
+def installed_commands() -> Dict[str, Any]:
+    """The subcommands installed packages name in COMMANDS_GROUP: name -> entry point."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+
+
 def _tool(name: str, rest: List[str], level: str) -> int:
     """Hand the rest of the command line to the tool (imported now, not before)."""
-    from .tools import command
+    from . import command
 
     command.setup_logging(level)
-    module = TOOLS[name][0]
-    if name == "bench":
-        if not rest or rest[0] not in BENCHMARKS:
-            if rest and rest[0] in ("-h", "--help"):
-                print(f"usage: distlib bench {{{','.join(BENCHMARKS)}}} [options]; "
-                      f"distlib bench store --help for the options")
-                return 0
-            build_parser().error(f"bench: choose what to measure: {', '.join(BENCHMARKS)}")
-        module, rest = f"{module}.{BENCHMARKS[rest[0]]}", rest[1:]
-    return importlib.import_module(module).main(rest)
+    if name in TOOLS:
+        return importlib.import_module(TOOLS[name][0]).main(rest)
+    found = installed_commands().get(name)
+    if found is None:
+        dist, folder, _ = ELSEWHERE[name]
+        print(f"distlib {name}: not installed here: it is in the package {dist} (pip install {dist}, "
+              f"or pip install ./{folder} from a clone of the repository)", file=sys.stderr)
+        return 2
+    return found.load()(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (_, summary) in TOOLS.items():  # listed for --help; main() dispatches them
         sub.add_parser(name, add_help=False, help=f"{summary} (distlib {name} --help)")
+    installed = installed_commands()
+    for name, (dist, _, summary) in ELSEWHERE.items():
+        where = "" if name in installed else f"; needs {dist}"
+        sub.add_parser(name, add_help=False, help=f"{summary} (distlib {name} --help{where})")
     sub.add_parser("run", add_help=False, help="the launcher (same as distlib-run; see distlib-run --help)")
     return parser
 
@@ -176,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .run import main as run_main
 
         return run_main(argv[i + 1:])
-    if i < len(argv) and argv[i] in TOOLS:
+    if i < len(argv) and (argv[i] in TOOLS or argv[i] in ELSEWHERE):
         return _tool(argv[i], argv[i + 1:], level)
     args = build_parser().parse_args(argv)
     return args.func(args)

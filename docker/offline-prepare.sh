@@ -361,7 +361,7 @@ log "base has Python $py_version, $machine, glibc $libc_version"
 # --- step 2: the wheelhouse ----------------------------------------------------------------------
 # The sources that make the wheel: tracked and untracked-but-not-ignored files, so that the
 # image holds exactly the working tree (not stale build/ or egg-info leftovers).
-SOURCE_PATHS=(pyproject.toml setup.py setup.cfg MANIFEST.in README.md README.rst LICENSE LICENSE.txt distlib)
+SOURCE_PATHS=(pyproject.toml setup.py setup.cfg MANIFEST.in README.md README.rst LICENSE LICENSE.txt distlib deploy)
 list_sources() { # NUL-separated, relative to $ROOT, sorted
     if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
         git -C "$ROOT" ls-files -z --cached --others --exclude-standard -- "${SOURCE_PATHS[@]}"
@@ -381,20 +381,25 @@ if [ "${REFRESH_WHEELS:-0}" = 1 ] || [ "$(cat "$app_dir/.stamp" 2>/dev/null)" !=
     work="$TEMP_DIR"
     mkdir -p "$work/src" "$work/app"
     list_sources | tar -C "$ROOT" --null -T - -cf - | tar -C "$work/src" -xf -
-    log "building the distlib wheel from the working tree"
-    "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$work/app" "$work/src" >"$BUILD_DIR/pip-wheel.log" 2>&1 ||
+    # Two wheels: the library (distlib-c10d) and the deployment (distlib-c10d-deploy: the jobs
+    # the image runs, and the cluster driver's code without its docker SDK).
+    log "building the distlib and distlib-deploy wheels from the working tree"
+    "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$work/app" "$work/src" "$work/src/deploy" \
+        >"$BUILD_DIR/pip-wheel.log" 2>&1 ||
         { tail -n 20 "$BUILD_DIR/pip-wheel.log" >&2; die "pip wheel failed (log: $BUILD_DIR/pip-wheel.log)"; }
     wheels=("$work"/app/*.whl)
-    if [ "${#wheels[@]}" != 1 ] || [ ! -f "${wheels[0]}" ]; then
-        die "expected one wheel from pip wheel, got: ${wheels[*]}"
+    if [ "${#wheels[@]}" != 2 ] || [ ! -f "${wheels[0]}" ]; then
+        die "expected two wheels from pip wheel (distlib-c10d, distlib-c10d-deploy), got: ${wheels[*]}"
     fi
-    whl_name="$(basename "${wheels[0]}")"
-    printf '%s==%s\n' "${whl_name%%-*}" "$(cut -d- -f2 <<<"$whl_name")" >"$work/app/requirements.txt"
+    for wheel in "${wheels[@]}"; do
+        whl_name="$(basename "$wheel")"
+        printf '%s==%s\n' "${whl_name%%-*}" "$(cut -d- -f2 <<<"$whl_name")"
+    done >"$work/app/requirements.txt"
     printf '%s\n' "$sources_hash" >"$work/app/.stamp"
     rm -rf "$app_dir"
     mv "$work/app" "$app_dir"
 fi
-app_wheel="$(ls "$app_dir"/*.whl)"
+app_wheel="$(ls "$app_dir"/distlib_c10d-*.whl)"
 version="$(basename "$app_wheel" | cut -d- -f2)"
 
 # Requires-Dist lines of the wheel: those of the extras named in $1 (comma-separated, their
@@ -545,7 +550,7 @@ fi
 # --- step 4: the context and the build's arguments ----------------------------------------------
 # The sources again, beside the wheelhouse: the Dockerfile's wheelhouse stage copies them in
 # either mode (a plain build makes its wheel from them; here the prepared wheel is used).
-rm -rf "$CONTEXT/distlib" "$CONTEXT/wheels" "$CONTEXT/debs" # (the last two: an older layout)
+rm -rf "$CONTEXT/distlib" "$CONTEXT/deploy" "$CONTEXT/wheels" "$CONTEXT/debs" # (the last two: an older layout)
 for f in pyproject.toml setup.py setup.cfg MANIFEST.in README.md README.rst LICENSE LICENSE.txt; do
     rm -f "${CONTEXT:?}/$f"
 done

@@ -1,4 +1,5 @@
-"""No two modules of distlib import each other, directly or around a cycle.
+"""No two modules of distlib (or of the deployment's and the benchmarks' packages) import each
+other, directly or around a cycle.
 
 Every import statement counts: at module level, inside functions (lazy imports) and under
 ``if TYPE_CHECKING`` alike, since each says the two modules know each other. An import of a
@@ -10,22 +11,26 @@ from pathlib import Path
 from typing import Dict, List, Set
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "distlib"
+#: The repository's three packages: (the package's folder, the folder its names start from).
+LIBRARY = (ROOT / "distlib", ROOT)
+PACKAGES = (LIBRARY, (ROOT / "deploy" / "distlib_deploy", ROOT / "deploy"),
+            (ROOT / "bench" / "distlib_bench", ROOT / "bench"))
 
 
-def _modules() -> Dict[str, Path]:
+def _modules(packages=(LIBRARY,)) -> Dict[str, Path]:
     modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        modules[".".join(parts)] = path
+    for package, base in packages:
+        for path in package.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
     return modules
 
 
-def import_graph() -> Dict[str, Set[str]]:
-    """module -> the distlib modules it imports."""
-    modules = _modules()
+def import_graph(packages=(LIBRARY,)) -> Dict[str, Set[str]]:
+    """module -> the modules of ``packages`` (default: the library) it imports."""
+    modules = _modules(packages)
     graph: Dict[str, Set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
@@ -95,8 +100,8 @@ def test_the_graph_sees_relative_lazy_and_typing_imports():
     assert "distlib.settings" in graph["distlib.store.tcp.server"]  # from ... import settings
 
 
-def test_no_module_of_distlib_imports_one_that_imports_it_back():
-    assert cycles(import_graph()) == []
+def test_no_module_imports_one_that_imports_it_back():
+    assert cycles(import_graph(PACKAGES)) == []
 
 
 def test_the_transport_does_not_import_the_store():

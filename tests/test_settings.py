@@ -65,18 +65,31 @@ def test_a_bad_port_range_is_an_error_naming_the_variable(value):
         settings.port_range({"DISTLIB_PORT_RANGE": value})
 
 
-def _read_in_settings():
-    source = (ROOT / "distlib" / "settings.py").read_text()
-    return set(re.findall(r'"(DISTLIB_[A-Z0-9_]+)"', source))
+#: Each package's settings module and the heading of its table in docs/settings.md.
+READERS = {
+    "distlib/settings.py": "## The library",
+    "deploy/distlib_deploy/settings.py": "## The deployment",
+    "tests/support/settings.py": "## The test suite",
+}
 
 
-def _documented():
-    rows = [line for line in TABLE.read_text().splitlines() if line.startswith("| `DISTLIB_")]
+def _read_in(module: str):
+    return set(re.findall(r'"(DISTLIB_[A-Z0-9_]+)"', (ROOT / module).read_text()))
+
+
+def _documented(heading: str):
+    """The variables of the table under ``heading`` (up to the next heading)."""
+    text = TABLE.read_text()
+    section = text[text.index(heading):]
+    following = section.find("\n## ", 1)
+    section = section if following < 0 else section[:following]
+    rows = [line for line in section.splitlines() if line.startswith("| `DISTLIB_")]
     return {re.match(r"\| `(DISTLIB_[A-Z0-9_]+)`", row).group(1) for row in rows}
 
 
-def test_the_table_names_exactly_the_variables_settings_reads():
-    assert _read_in_settings() == _documented()
+@pytest.mark.parametrize("module", sorted(READERS))
+def test_each_table_names_exactly_the_variables_its_module_reads(module):
+    assert _read_in(module) == _documented(READERS[module])
 
 
 def _environment_reads(path: Path):
@@ -116,11 +129,12 @@ def _environment_reads(path: Path):
 
 def test_no_other_module_reads_a_distlib_variable():
     offenders = []
-    for path in sorted((ROOT / "distlib").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py")):
-        if path.name == "settings.py" and path.parent.name == "distlib":
+    trees = ("distlib", "deploy", "bench", "tests")
+    for path in sorted(p for tree in trees for p in (ROOT / tree).rglob("*.py")):
+        if path.relative_to(ROOT).as_posix() in READERS:
             continue
         offenders += [f"{path.relative_to(ROOT)}:{line}: {name}" for line, name in _environment_reads(path)]
-    assert not offenders, "read these through distlib.settings:\n" + "\n".join(offenders)
+    assert not offenders, "read these through their package's settings module:\n" + "\n".join(offenders)
 
 
 def test_the_scan_finds_reads(tmp_path):

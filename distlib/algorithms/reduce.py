@@ -243,7 +243,7 @@ def choose_all_reduce(nbytes: int, n: int, crowded: bool = False) -> str:
     rounds, are the bottleneck, and the algorithm that moves the fewest frames wins: each
     frame costs its sender a system call that also runs the receiver's side of loopback TCP
     and wakes it. The tree moves 2(n-1) frames, recursive doubling about n log2 n, the
-    direct exchange n(n-1) (measurements: docs/performance-log.md, 2026-11-24). With a CPU
+    direct exchange n(n-1) (measurements: bench/performance-log.md, 2026-11-24). With a CPU
     per rank the rounds count, and the one-round direct exchange stays.
     """
     if n == 1:

@@ -39,7 +39,7 @@ log = logging.getLogger("distlib.backends.gloo")
 #: local): SMALL_SLOT_BYTES, or less in large groups, so that an all_reduce (where every rank
 #: reads every slot) reads at most SMALL_READ_BYTES per rank. Above the slot the two-phase
 #: path of the shared segment's rounds takes over: the one-exchange channel is faster up to
-#: about 256 KiB, level there, behind above (docs/performance-log.md, 2026-11-24).
+#: about 256 KiB, level there, behind above (bench/performance-log.md, 2026-11-24).
 SMALL_SLOT_BYTES = 256 << 10
 SMALL_READ_BYTES = 1 << 20
 

@@ -34,7 +34,7 @@ from typing import Optional
 
 #: Spin this long before yielding, when every rank of the host has a CPU: the peers of a
 #: small collective that are running arrive within microseconds of each other. Longer
-#: spins lose as soon as anything else runs on the machine (docs/performance-log.md,
+#: spins lose as soon as anything else runs on the machine (bench/performance-log.md,
 #: 2026-11-24), and the channel stops spinning for a while after each miss.
 SPIN_S = 10e-6
 #: Yield this long before blocking. ``sched_yield`` returns at once when nothing else wants
@@ -74,7 +74,7 @@ class WaitPolicy:
 
 #: For waits that last milliseconds (the barriers of a large all_reduce through shared
 #: memory, where each rank reduces megabytes in between): a rank that yields for long takes
-#: CPU from the ranks still reducing, so it sleeps soon (docs/performance-log.md, 2026-11-24).
+#: CPU from the ranks still reducing, so it sleeps soon (bench/performance-log.md, 2026-11-24).
 LONG = WaitPolicy(0.0, 50e-6)
 
 

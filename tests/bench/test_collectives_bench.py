@@ -17,11 +17,11 @@ import time
 import numpy as np
 import pytest
 
-from distlib.tools.bench import collectives as bench
-from distlib.tools.bench import collectives_cli
-from distlib.tools.bench.cases import CHUNKED, Case
-from distlib.tools.bench.children import BenchError
-from distlib.tools.bench.collectives_ops import OPS, algbw_gbs, busbw_factor, op_size, size_sweep
+from distlib_bench import collectives as bench
+from distlib_bench import collectives_cli
+from distlib_bench.cases import CHUNKED, Case
+from distlib_bench.children import BenchError
+from distlib_bench.collectives_ops import OPS, algbw_gbs, busbw_factor, op_size, size_sweep
 
 ALL_OPS = list(OPS)
 SIZES = ["--min-bytes", "4", "--max-bytes", "4K", "--step-factor", "16", "--iters", "3", "--warmup", "1",
@@ -32,7 +32,7 @@ TINY = SIZES + ["--no-mpi4py"]
 
 def run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """The command, in its own process (it forks its ranks from a clean parent)."""
-    return subprocess.run([sys.executable, "-m", "distlib.cli", "bench", "collectives", *args],
+    return subprocess.run([sys.executable, "-m", "distlib_bench", "collectives", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -290,8 +290,8 @@ def test_against_torch_gloo(tmp_path):
 
 def need_mpi() -> None:
     """Skip without mpi4py and mpirun; under DISTLIB_REQUIRE_MPI=1 (CI) fail instead."""
-    from distlib import settings
-    from distlib.tools.bench import mpi_group
+    from tests.support import settings
+    from distlib_bench import mpi_group
 
     missing = mpi_group.why_not_available()
     if missing:
@@ -378,13 +378,13 @@ def test_backend_mpi_beside_distlibs_gloo():
     ({}, ["--backend", "mpi", "--init-sizes", "8"], "--init-sizes times init_process_group('gloo')"),
 ])
 def test_mpi_options_that_cannot_work_are_refused(env, args, words):
-    result = subprocess.run([sys.executable, "-m", "distlib.cli", "bench", "collectives", *args],
+    result = subprocess.run([sys.executable, "-m", "distlib_bench", "collectives", *args],
                             capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_backend_mpi_without_mpi4py_says_what_to_install(monkeypatch, capsys):
-    from distlib.tools.bench import mpi_group
+    from distlib_bench import mpi_group
 
     monkeypatch.setattr(mpi_group, "why_not_available", lambda: "mpi4py is not importable")
     assert exit_code(["--backend", "mpi"]) == 2
@@ -405,7 +405,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_rank_of_the_mpi_job_that_dies_is_an_error_and_nothing_is_left():
     need_mpi()
-    from distlib.tools.bench.mpi_group import MpiGroup
+    from distlib_bench.mpi_group import MpiGroup
 
     group = MpiGroup(2, ["mpi4py"], timeout_s=60)
     try:
@@ -422,7 +422,7 @@ def test_a_rank_of_the_mpi_job_that_dies_is_an_error_and_nothing_is_left():
 
 
 def test_mpi_ranks_that_never_connect_time_out(monkeypatch):
-    from distlib.tools.bench import mpi_group
+    from distlib_bench import mpi_group
 
     monkeypatch.setattr(mpi_group, "mpirun_command",
                         lambda n, argv: [sys.executable, "-c", "import time; time.sleep(120)"])
@@ -433,7 +433,7 @@ def test_mpi_ranks_that_never_connect_time_out(monkeypatch):
 
 
 def test_an_mpirun_that_fails_shows_what_it_said(monkeypatch):
-    from distlib.tools.bench import mpi_group
+    from distlib_bench import mpi_group
 
     monkeypatch.setattr(mpi_group, "mpirun_command",
                         lambda n, argv: [sys.executable, "-c", "print('no slots for 2 ranks'); raise SystemExit(3)"])

@@ -13,18 +13,18 @@ import sys
 import numpy as np
 import pytest
 
-from distlib.tools.bench import collectives as cpu
-from distlib.tools.bench import collectives_cli
-from distlib.tools.bench.cases import Case
-from distlib.tools.bench import collectives_cuda as cuda
-from distlib.tools.bench.results import MISS, NOT_MEASURED, PASS
-from distlib.tools.bench.tables import Printer
+from distlib_bench import collectives as cpu
+from distlib_bench import collectives_cli
+from distlib_bench.cases import Case
+from distlib_bench import collectives_cuda as cuda
+from distlib_bench.results import MISS, NOT_MEASURED, PASS
+from distlib_bench.tables import Printer
 
 MIB = 1 << 20
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distlib.cli", "bench", "collectives", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "distlib_bench", "collectives", *args], capture_output=True,
                           text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""What every benchmark shares (distlib.tools.bench: children.py, timing.py, results.py,
+"""What every benchmark shares (distlib_bench: children.py, timing.py, results.py,
 tables.py): tables, rows and targets, statistics, child processes, the targets file."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from distlib.tools.bench import results, tables, timing
-from distlib.tools.bench.children import BenchError, Child, ChildError, run_child
-from distlib.tools.bench.results import Row, Target
-from distlib.tools.bench.tables import Table
+from distlib_bench import results, tables, timing
+from distlib_bench.children import BenchError, Child, ChildError, run_child
+from distlib_bench.results import Row, Target
+from distlib_bench.tables import Table
 
 
 def test_table_aligns_text_left_and_numbers_right():

@@ -11,12 +11,12 @@ from datetime import timedelta
 
 import pytest
 
-from distlib.tools.bench import store as bench
-from distlib.tools.bench import store_children, store_measure
-from distlib.tools.bench.results import DISTLIB, TORCH
-from distlib.tools.bench.store_children import bench_key, storm_child
-from distlib.tools.bench.store_measure import SINGLE_OPS, StoreBench
-from distlib.tools.bench.store_measure import SECTIONS as BENCH_SECTIONS
+from distlib_bench import store as bench
+from distlib_bench import store_children, store_measure
+from distlib_bench.results import DISTLIB, TORCH
+from distlib_bench.store_children import bench_key, storm_child
+from distlib_bench.store_measure import SINGLE_OPS, StoreBench
+from distlib_bench.store_measure import SECTIONS as BENCH_SECTIONS
 from distlib.store.tcp import StoreServer, TCPStore
 
 SECTIONS = {"single client", "concurrent clients", "barrier", "connect storm", "FileStore"}
@@ -165,7 +165,7 @@ def test_the_security_section_measures_every_variant_on_its_transport(tmp_path):
     """distlib against itself, with and without the token and TLS (a certificate made with
     openssl for the run): every figure present for every variant, each client on the
     transport its variant names (the run fails otherwise)."""
-    from distlib.tools.bench import store_security
+    from distlib_bench import store_security
 
     if store_security.make_certificate(str(tmp_path)) is None:
         pytest.skip("no openssl command to make the bench's certificate")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.interop
 def test_quick_run_against_torch(tmp_path):
     out = tmp_path / "store.json"
     result = subprocess.run(
-        [sys.executable, "-m", "distlib.cli", "bench", "store", "--quick", "--sections", "single,barrier,filestore",
+        [sys.executable, "-m", "distlib_bench", "store", "--quick", "--sections", "single,barrier,filestore",
          "--json", str(out), "--quiet"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

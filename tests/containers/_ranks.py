@@ -1,6 +1,6 @@
 """Helpers for the tests that run one rank per container (fixtures: tests/fixtures/docker.py).
 
-Every rank runs ``python -m distlib.tools.jobs.check_collectives`` (or the launcher around it) in
+Every rank runs ``python -m distlib_deploy.jobs.check_collectives`` (or the launcher around it) in
 its own container on a private network, with a host name and a network alias ``node<r>``;
 the tests read the one line each rank prints (``check_collectives: rank R/W OK ...`` or
 ``... FAILED after S s: <Error>: <message>``).
@@ -15,9 +15,9 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import pytest
 
-from distlib.tools.cluster import engine
+from distlib_deploy.cluster import engine
 
-CHECK = ["python", "-m", "distlib.tools.jobs.check_collectives"]
+CHECK = ["python", "-m", "distlib_deploy.jobs.check_collectives"]
 OK_LINE = re.compile(r"check_collectives: rank (\d+)/(\d+) OK all_reduce=(\d+) all_gather=([\d,]+) host=(\S+) "
                      r"address=(\S+)")
 FAILED_LINE = re.compile(r"check_collectives: rank (\S+) FAILED after ([\d.]+) s: (\w+): (.*)")

@@ -207,9 +207,11 @@ def test_a_plain_build_sends_only_what_the_dockerfile_copies():
     patterns = [p for p in (REPO_ROOT / ".dockerignore").read_text().splitlines() if p and not p.startswith("#")]
     sent = docker_build.exclude_paths(str(REPO_ROOT), patterns, dockerfile="docker/Dockerfile")
     files = {p for p in sent if (REPO_ROOT / p).is_file()}
-    allowed = ("pyproject.toml", "README.md", "distlib/", "docker/offline/", "docker/Dockerfile", ".dockerignore")
+    allowed = ("pyproject.toml", "README.md", "distlib/", "deploy/pyproject.toml", "deploy/distlib_deploy/",
+               "docker/offline/", "docker/Dockerfile", ".dockerignore")
     assert files and all(p.startswith(allowed) for p in files), sorted(p for p in files if not p.startswith(allowed))
-    assert "distlib/__init__.py" in files and "distlib/tools/bench/targets.json" in files
+    assert "distlib/__init__.py" in files and "deploy/distlib_deploy/jobs/train_dp.py" in files
+    assert not any(p.startswith("bench/") for p in files)  # the benchmarks are not in the image
     assert "docker/offline/debs/.keep" in files and "docker/offline/wheels/.keep" in files
     assert "docker/offline/gpu-wheels/.keep" in files
     assert not any("__pycache__" in p or p.endswith(".pyc") for p in files)

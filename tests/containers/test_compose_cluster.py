@@ -26,9 +26,9 @@ from typing import Dict, List, Optional
 import pytest
 import yaml
 
-from distlib import settings
-from distlib.tools.cluster import engine, state
-from distlib.tools.cluster.outcome import (ExitTime, failed_root_cause_first, first_abnormal_end, mpi_failed_rank,
+from tests.support import settings
+from distlib_deploy.cluster import engine, state
+from distlib_deploy.cluster.outcome import (ExitTime, failed_root_cause_first, first_abnormal_end, mpi_failed_rank,
                                            mpi_node_of, mpirun_lines, parse_docker_time, telling_lines)
 from tests.fixtures.docker import REPO_ROOT
 
@@ -82,7 +82,7 @@ def run_cluster(action: str, state_dir: Path, image: Optional[str] = None, compo
     if compose:
         full["COMPOSE"] = " ".join(compose)
     full.update(env)
-    return subprocess.run([sys.executable, "-m", "distlib.tools.cluster", action], cwd=cwd, env=full,
+    return subprocess.run([sys.executable, "-m", "distlib_deploy.cluster", action], cwd=cwd, env=full,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -125,7 +125,7 @@ def check_the_run_used_its_token(proc: subprocess.CompletedProcess, docker_clien
     """AUTH (on by default): `up` said so, every container that runs distlib held the run's
     token file read-only at /run/secrets/distlib/token, and the token itself is in no output,
     log, run record or container environment. Returns the token."""
-    from distlib.tools.cluster import auth_token
+    from distlib_deploy.cluster import auth_token
 
     assert "cluster: auth on: made this run's token in " in proc.stderr, proc.stderr
     assert "auth on: every connection authenticated with the run's token" in proc.stderr, proc.stderr
@@ -259,9 +259,9 @@ def test_compose_files_of_every_mode(tmp_path, impl, mode):
     if mode == "mpi":
         # the workers run sshd only; the launcher runs mpirun; each gets its half of the run's
         # key pair, read-only, from the run's directory under the state directory
-        assert worker["command"] == ["python", "-m", "distlib.tools.jobs.mpi_sshd"]
+        assert worker["command"] == ["python", "-m", "distlib_deploy.jobs.mpi_sshd"]
         launcher = services["launcher"]
-        assert launcher["command"][:3] == ["python", "-m", "distlib.tools.jobs.mpi_launch"]
+        assert launcher["command"][:3] == ["python", "-m", "distlib_deploy.jobs.mpi_launch"]
         assert launcher["image"] == worker["image"] and launcher["networks"] is not None
         key_dir = str(tmp_path / "state" / "distlib-config" / "ssh")
         assert read_only_mount(worker, f"{key_dir}/authorized_keys", "/etc/distlib/ssh/authorized_keys")
@@ -725,7 +725,7 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
     except OSError:
         continue
-    if want in env and b"distlib.tools.jobs.train_dp" in cmd and b"distlib.tools.jobs.mpi_rank" not in cmd:
+    if want in env and b"distlib_deploy.jobs.train_dp" in cmd and b"distlib_deploy.jobs.mpi_rank" not in cmd:
         os.kill(int(pid), signal.SIGKILL)
         print(pid)
         sys.exit(0)
@@ -743,7 +743,7 @@ def test_cluster_up_mpi_names_the_worker_whose_rank_was_killed(distlib_image, do
     env.update(CLUSTER_STATE_DIR=str(cluster_state), SKIP_BUILD="1", QUIET="1", CLUSTER_TIMEOUT="300",
                IMAGE=distlib_image, MODE="mpi", NODES="2", NPROC_PER_NODE="2",
                JOB_ARGS="--epochs 100000 --bench-sizes none")
-    up = subprocess.Popen([sys.executable, "-m", "distlib.tools.cluster", "up"], cwd=REPO_ROOT, env=env,
+    up = subprocess.Popen([sys.executable, "-m", "distlib_deploy.cluster", "up"], cwd=REPO_ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180
@@ -781,7 +781,7 @@ def test_cluster_up_mpi_names_the_worker_whose_rank_was_killed(distlib_image, do
 @pytest.mark.containers
 def test_the_run_key_pair_without_ssh_keygen_on_the_host(distlib_image, docker_client, tmp_path, monkeypatch):
     """No ssh-keygen on the host: the image's makes the pair, in a container without a network."""
-    from distlib.tools.cluster import ssh_keys
+    from distlib_deploy.cluster import ssh_keys
 
     host_keygen = shutil.which("ssh-keygen")
     monkeypatch.setattr(ssh_keys.shutil, "which", lambda name: None)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from distlib.tools.cluster import engine, gpus
-from distlib.tools.cluster.config import LABEL
-from distlib.tools.command import ToolError
-from distlib.tools.jobs.compose_node import gpu_slice
+from distlib_deploy.cluster import engine, gpus
+from distlib_deploy.cluster.config import LABEL
+from distlib.command import ToolError
+from distlib_deploy.jobs.compose_node import gpu_slice
 
 from .test_compose_cluster import IMPLS, need_compose, run_cluster
 

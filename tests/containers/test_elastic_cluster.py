@@ -27,7 +27,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
-from distlib.tools.cluster import engine, state
+from distlib_deploy.cluster import engine, state
 from tests.containers.test_compose_cluster import CLUSTER_VARIABLES, need_compose, run_cluster
 from tests.fixtures.docker import REPO_ROOT
 
@@ -48,7 +48,7 @@ class Cluster:
         self.env = full
         self.state_dir = state_dir
         self.client = docker_client
-        self.proc = subprocess.Popen([sys.executable, "-m", "distlib.tools.cluster", "up"], cwd=REPO_ROOT, env=full,
+        self.proc = subprocess.Popen([sys.executable, "-m", "distlib_deploy.cluster", "up"], cwd=REPO_ROOT, env=full,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      stdin=subprocess.DEVNULL)
         self.stdout = self.stderr = ""

@@ -48,7 +48,7 @@ def test_workers_that_start_before_the_master_wait_and_succeed(distlib_image, do
     net = docker_network(internal=True)
     launch = ["distlib-run", "--nnodes", str(WORLD), "--node-rank", "auto", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", "master:29500", "--run-id", "early-1", "--rdzv-timeout", "90",
-              "-m", "distlib.tools.jobs.check_collectives", "--timeout", "60"]
+              "-m", "distlib_deploy.jobs.check_collectives", "--timeout", "60"]
     workers = start_ranks(container_factory, distlib_image, net, WORLD, command=lambda r: launch,
                           env=lambda r: {"DISTLIB_LOG_LEVEL": "INFO"})
     for ctr in workers.values():
@@ -216,7 +216,7 @@ def test_a_rank_that_never_joins(distlib_image, docker_network, container_factor
                       network=net, aliases=["master"], hostname="master")
     launch = ["distlib-run", "--nnodes", str(WORLD), "--node-rank", "auto", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", "master:29500", "--run-id", "never-joins", "--rdzv-timeout", "60",
-              "-m", "distlib.tools.jobs.check_collectives", "--timeout", str(timeout)]
+              "-m", "distlib_deploy.jobs.check_collectives", "--timeout", str(timeout)]
     nodes = start_ranks(container_factory, distlib_image, net, WORLD, ranks=[0, 1, 2],
                         command=lambda r: launch, env=lambda r: {})
     for ctr in nodes.values():

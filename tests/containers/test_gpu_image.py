@@ -186,7 +186,7 @@ def test_a_gpu_worker_without_a_gpu_stops_in_one_line(box):
     """compose_node with GPU=1's variables, in the image, where no GPU was given: it names the
     reason before it starts the launcher (rank0 mode; the service name is this container's)."""
     code, out = exec_text(box, "CLUSTER_SERVICE=$(hostname) DISTLIB_CLUSTER_MODE=rank0 NODES=1 DISTLIB_RUN_ID=r1 "
-                               "CLUSTER_GPUS_PER_NODE=1 python -m distlib.tools.jobs.compose_node")
+                               "CLUSTER_GPUS_PER_NODE=1 python -m distlib_deploy.jobs.compose_node")
     assert code == 1, out
     lines = out.strip().splitlines()
     assert lines[-1].startswith("compose_node: GPU=1 but this worker cannot use a GPU: no CUDA device (cupy: "

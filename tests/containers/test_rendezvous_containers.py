@@ -1,6 +1,6 @@
 """Cross-container rendezvous: 4 ranks, each in its own container (its own host name, network
 namespace and /dev/shm) on a private network, for every init method — then an all_reduce and
-an all_gather whose results every rank checks (distlib/tools/jobs/check_collectives.py).
+an all_gather whose results every rank checks (deploy/distlib_deploy/jobs/check_collectives.py).
 
 Needs a Docker engine (marker ``containers``); the image is built once per session.
 """

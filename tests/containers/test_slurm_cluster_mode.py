@@ -15,8 +15,8 @@ import stat
 import pytest
 import yaml
 
-from distlib.tools.cluster import engine, slurm
-from distlib.tools.cluster.slurm_node import batch_script, node_names, slurm_conf
+from distlib_deploy.cluster import engine, slurm
+from distlib_deploy.cluster.slurm_node import batch_script, node_names, slurm_conf
 from tests.containers.test_compose_cluster import (IMPLS, check_the_run_used_its_token, cluster_state,  # noqa: F401
                                                    leftovers, need_compose, project_of, read_only_mount, run_cluster)
 from tests.platforms.slurm import slurm_image  # noqa: F401 - fixture
@@ -41,8 +41,8 @@ def test_compose_files_of_the_slurm_mode(tmp_path, impl):
     services = yaml.safe_load(proc.stdout)["services"]
     assert set(services) == {"worker", "slurmctld"}
     worker, ctld = services["worker"], services["slurmctld"]
-    assert worker["command"] == ["python", "-m", "distlib.tools.cluster.slurm_node", "node"]
-    assert ctld["command"] == ["python", "-m", "distlib.tools.cluster.slurm_node", "controller", "--submit"]
+    assert worker["command"] == ["python", "-m", "distlib_deploy.cluster.slurm_node", "node"]
+    assert ctld["command"] == ["python", "-m", "distlib_deploy.cluster.slurm_node", "controller", "--submit"]
     assert worker["image"] == ctld["image"] == "distlib:slurm"
     assert str(worker["user"]) == str(ctld["user"]) == "0" and ctld["hostname"] == "slurmctld"
     key = str(tmp_path / "state" / "distlib-config" / "munge" / "munge.key")
@@ -63,12 +63,12 @@ def test_gpu_with_slurm_is_refused_before_anything_starts(tmp_path):
 
 
 def test_the_batch_script_runs_one_task_per_rank():
-    script = batch_script(4, 2, ["-m", "distlib.tools.jobs.train_dp", "--epochs", "3"], "/job", "/w/slurm-%j.out")
+    script = batch_script(4, 2, ["-m", "distlib_deploy.jobs.train_dp", "--epochs", "3"], "/job", "/w/slurm-%j.out")
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     for option in ("--nodes=4", "--ntasks-per-node=2", "--chdir=/job", "--output=/w/slurm-%j.out"):
         assert f"#SBATCH {option}" in lines
-    assert lines[-1] == "srun python -u -m distlib.tools.jobs.train_dp --epochs 3"
+    assert lines[-1] == "srun python -u -m distlib_deploy.jobs.train_dp --epochs 3"
     assert not any(word in script for word in ("MASTER_ADDR", "MASTER_PORT", "RANK=")), "nothing set by hand"
 
 

@@ -2,7 +2,7 @@
 rank's NCCL_HOSTID (from LOCAL_RANK, see gpu_cases.one_gpu_env), then runs the module as
 ``python -m`` would. For tests only, under a launcher:
 
-    distlib run --nproc-per-node 2 -m tests.gpu.one_gpu_rank distlib.tools.jobs.train_dp --epochs 3
+    distlib run --nproc-per-node 2 -m tests.gpu.one_gpu_rank distlib_deploy.jobs.train_dp --epochs 3
 """
 
 import os

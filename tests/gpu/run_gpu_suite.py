@@ -1,5 +1,5 @@
 """``make test-gpu``: the GPU tests and the GPU benchmark in one go, within five minutes on one
-GPU, from a plain copy of the tree (``PYTHONPATH=. python3 -m tests.gpu.run_gpu_suite``: no
+GPU, from a plain copy of the tree (``PYTHONPATH=.:deploy:bench python3 -m tests.gpu.run_gpu_suite``: no
 virtual environment, no pip, no Docker; the machine's python3 needs numpy, cupy with NCCL and
 pytest, and torch for the comparison). Where there is no usable GPU it says why in one line
 and runs nothing (exit 2).
@@ -105,7 +105,7 @@ def main(argv: List[str]) -> int:
         left = BUDGET_S - (time.monotonic() - started)
         json_path = out / f"bench-ws{nproc}.json"
         json_path.unlink(missing_ok=True)
-        problems.append(_run([sys.executable, "-m", "distlib.cli", "bench", "collectives", "--device", "cuda", "--ops",
+        problems.append(_run([sys.executable, "-m", "distlib_bench", "collectives", "--device", "cuda", "--ops",
                               "all_reduce", *BENCH_SIZES, "--iters", "10", "--warmup", "3", "--rounds", "3",
                               "--nproc", str(nproc), "--json", str(json_path)],
                              left / (3 - nproc), f"GPU benchmark, {nproc} rank(s)"))

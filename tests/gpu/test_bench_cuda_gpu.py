@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_R
 def test_every_op_runs_validated(backend, nproc, tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "distlib.cli", "bench", "collectives", "--device", "cuda", "--backend", backend,
+        [sys.executable, "-m", "distlib_bench", "collectives", "--device", "cuda", "--backend", backend,
          "--nproc", str(nproc), "--ops", ",".join(("all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                                    "reduce", "all_to_all")),
          "-b", "8", "-e", "1M", "-f", "64", "--iters", "5", "--warmup", "2", "--rounds", "1", "--json", str(out)],

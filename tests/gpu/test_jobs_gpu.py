@@ -1,5 +1,5 @@
 """The GPU image's command and the cluster's job on a real GPU: `distlib gpu-info --check`, and
-`distlib.tools.jobs.train_dp` with NCCL (its model on cupy arrays, each rank on
+`distlib_deploy.jobs.train_dp` with NCCL (its model on cupy arrays, each rank on
 cuda:LOCAL_RANK) under distlib-run. Without a device every test here skips, saying what cupy
 said (see tests/tools/test_gpu_info.py and test_train_dp.py for what runs everywhere)."""
 
@@ -40,8 +40,8 @@ def test_train_dp_on_cupy_arrays(backend, nproc, tmp_path):
     """One GPU per rank where there are enough (as the cluster gives them); else the ranks
     share GPUs (cuda:LOCAL_RANK mod the count), each with its own NCCL_HOSTID (one_gpu_rank)."""
     count = _device_count()
-    shared = ["-m", "tests.gpu.one_gpu_rank", "distlib.tools.jobs.train_dp"] if nproc > count else \
-        ["-m", "distlib.tools.jobs.train_dp"]
+    shared = ["-m", "tests.gpu.one_gpu_rank", "distlib_deploy.jobs.train_dp"] if nproc > count else \
+        ["-m", "distlib_deploy.jobs.train_dp"]
     report = tmp_path / "report.json"
     done = subprocess.run(
         [sys.executable, "-m", "distlib.cli", "run", "--nproc-per-node", str(nproc), *shared,

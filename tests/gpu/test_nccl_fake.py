@@ -193,7 +193,7 @@ class _FakeDevice:
 def test_the_benchs_per_call_round_on_the_fake(one_rank, calls, in_flight):
     """distlib bench collectives --device cuda's per-call rows, run on the fake device: every
     call was still in flight when the next was issued, and the result is checked."""
-    from distlib.tools.bench import collectives_cuda
+    from distlib_bench import collectives_cuda
 
     dist, fake, backend = one_rank
     reply = collectives_cuda.per_call_round(dist, _FakeDevice(fake), 0, 1, calls, in_flight)

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from distlib.tools.bench import collectives as cpu
-from distlib.tools.bench import collectives_cuda as cuda
-from distlib.tools.bench.tables import Printer
+from distlib_bench import collectives as cpu
+from distlib_bench import collectives_cuda as cuda
+from distlib_bench.tables import Printer
 
 from . import run_gpu_suite as suite
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distlib import settings
+from tests.support import settings
 from tests.fixtures import certs
 
 from ._chart import REPO

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from distlib import settings
+from tests.support import settings
 
 from . import _kube, _pods
 from ._chart import CHART_DIR, WANTED_KUBE_VERSIONS

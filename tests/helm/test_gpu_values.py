@@ -14,8 +14,8 @@ import pytest
 from distlib.launcher.resolve import Flags, Probe, resolve
 from distlib.launcher.workerenv import worker_env
 from distlib.run import build_parser
-from distlib.tools.cluster.config import DEFAULT_GPU_IMAGE
-from distlib.tools.jobs import _common as C
+from distlib_deploy.cluster.config import DEFAULT_GPU_IMAGE
+from distlib_deploy.jobs import _common as C
 
 from ._chart import REPO, expand_container, job_pod, render, scenario_values
 

@@ -139,7 +139,7 @@ def test_worker_command_line(rendered: Rendered, scenario: str) -> None:
     assert f["--nproc-per-node"] == str(v.get("nprocPerNode", 1))
     assert f["--node-rank"] == "$(JOB_COMPLETION_INDEX)"
     assert f["--run-id"] == "$(DISTLIB_RUN_ID)"
-    assert program(args) == ["distlib.tools.jobs.train_dp"]
+    assert program(args) == ["distlib_deploy.jobs.train_dp"]
     mode = MODES[scenario]
     if mode == "tcp":
         assert f["--rdzv-backend"] == "c10d"

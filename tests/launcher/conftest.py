@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from distlib.tools.store_service import StoreServerProcess
+from distlib.store_service import StoreServerProcess
 from tests.fixtures.ports import free_port  # noqa: F401 - the launcher tests take it from here
 from tests.fixtures.procfs import pid_alive  # noqa: F401 - the launcher tests take it from here
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 import numpy as np
 
 import distlib as dist
-from distlib.tools.jobs import _common
+from distlib_deploy.jobs import _common
 
 
 def crashes(spec: str, round_: int, rank: int) -> bool:

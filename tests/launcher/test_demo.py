@@ -1,4 +1,4 @@
-"""`make demo` (python -m distlib.tools.demo): a master service and 4 processes, end to end."""
+"""`make demo` (python -m distlib_deploy.demo): a master service and 4 processes, end to end."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_demo_runs_and_prints_the_exchange():
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "distlib.tools.demo"], env=clean_env(), capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "distlib_deploy.demo"], env=clean_env(), capture_output=True, text=True,
                           timeout=90)
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stdout + done.stderr
@@ -32,14 +32,14 @@ def test_demo_runs_and_prints_the_exchange():
 
 
 def test_demo_with_two_processes():
-    done = subprocess.run([sys.executable, "-m", "distlib.tools.demo", "--nproc", "2"], env=clean_env(),
+    done = subprocess.run([sys.executable, "-m", "distlib_deploy.demo", "--nproc", "2"], env=clean_env(),
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr
     assert "2 processes met through the master service" in done.stdout
 
 
 def test_demo_reports_failure_with_a_non_zero_status():
-    done = subprocess.run([sys.executable, "-m", "distlib.tools.demo", "--timeout", "0.001"], env=clean_env(),
+    done = subprocess.run([sys.executable, "-m", "distlib_deploy.demo", "--timeout", "0.001"], env=clean_env(),
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 1
     assert "distlib demo: FAILED" in done.stderr

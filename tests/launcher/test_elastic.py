@@ -26,7 +26,7 @@ from distlib.launcher import rounds as R
 from distlib.launcher.rounds_store import RoundStore
 from distlib.store.file import FileStore
 from distlib.store.tcp.client import TCPStore
-from distlib.tools.store_service import StoreServerProcess
+from distlib.store_service import StoreServerProcess
 
 from .conftest import clean_env, launcher_cmd, pid_alive, wait_for
 

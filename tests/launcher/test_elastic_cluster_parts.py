@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from distlib.tools.cluster import elastic
-from distlib.tools.cluster.config import Settings
-from distlib.tools.command import ToolError
-from distlib.tools.jobs import compose_node
+from distlib_deploy.cluster import elastic
+from distlib_deploy.cluster.config import Settings
+from distlib.command import ToolError
+from distlib_deploy.jobs import compose_node
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_an_elastic_tcp_worker_runs_distlib_run_with_the_range_and_no_node_rank(
     assert cmd[5:13] == ["--nnodes", "2:3", "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                          "master:29500"]
     assert "--node-rank" not in cmd
-    assert cmd[13:] == ["-m", "distlib.tools.jobs.train_dp", "--report-json", "/workspace/report.json",
+    assert cmd[13:] == ["-m", "distlib_deploy.jobs.train_dp", "--report-json", "/workspace/report.json",
                         "--checkpoint", "/workspace/checkpoints/r7/train_dp.npz", "--checkpoint-every", "10",
                         "--step-seconds", "0.1"]
 

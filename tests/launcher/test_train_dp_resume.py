@@ -12,7 +12,7 @@ from .conftest import run_launcher
 
 pytestmark = pytest.mark.timeout(180)
 
-JOB = ["-m", "distlib.tools.jobs.train_dp", "--steps", "10", "--bench-sizes", "none", "--features", "8",
+JOB = ["-m", "distlib_deploy.jobs.train_dp", "--steps", "10", "--bench-sizes", "none", "--features", "8",
        "--hidden", "8", "--timeout", "60"]
 
 

@@ -5,7 +5,7 @@ test that reads it."""
 
 import pytest
 
-from distlib import settings
+from tests.support import settings
 
 from .launch import mpirun_path, run_job
 

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from distlib import settings
+from tests.support import settings
 
 from . import vm as vm_module
 from . import vm_nfs

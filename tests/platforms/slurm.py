@@ -6,7 +6,7 @@ Fixtures (import them into a test module):
                    image named by DISTLIB_TEST_SLURM_IMAGE (then nothing is built).
     slurm_cluster  (module) a 2-node cluster, up and idle; removed after the module.
 
-The containers run what `MODE=slurm make cluster-up` runs (distlib.tools.cluster.slurm_node):
+The containers run what `MODE=slurm make cluster-up` runs (distlib_deploy.cluster.slurm_node):
 every node answers to the DNS name ``worker`` on an internal network (no route out), the
 controller is ``slurmctld``; a munge key is made for the cluster here (never the package's);
 a volume shared by all is mounted at /shared (a cluster's shared file system: job scripts go
@@ -90,13 +90,13 @@ class SlurmCluster:
                                self.volume.name: {"bind": "/shared", "mode": "rw"}},
                       network=self.network.name, shm_size="256m")
         for i in range(self.count):
-            container = self.client.containers.create(command=["python", "-m", "distlib.tools.cluster.slurm_node", "node"],
+            container = self.client.containers.create(command=["python", "-m", "distlib_deploy.cluster.slurm_node", "node"],
                                                       name=f"{self.tag}-node{i}", **common)
             self._alias(container, ["worker"])
             container.start()
             self.nodes.append(container)
         self.controller = self.client.containers.create(
-            command=["python", "-m", "distlib.tools.cluster.slurm_node", "controller"], name=f"{self.tag}-ctld",
+            command=["python", "-m", "distlib_deploy.cluster.slurm_node", "controller"], name=f"{self.tag}-ctld",
             hostname="slurmctld", **common)
         self._alias(self.controller, ["slurmctld"])
         self.controller.start()

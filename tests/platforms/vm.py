@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
-from distlib import settings
+from tests.support import settings
 from tests.fixtures.procfs import pid_alive
 
 HERE = Path(__file__).resolve().parent

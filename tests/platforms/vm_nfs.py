@@ -65,8 +65,8 @@ class Ganesha:
     """The cluster's NFS server container (MODE=nfs's ``nfs`` service), alone, on 127.0.0.1:port."""
 
     def __init__(self, image: str, port: int):
-        from distlib.tools.cluster import engine
-        from distlib.tools.cluster.config import Settings
+        from distlib_deploy.cluster import engine
+        from distlib_deploy.cluster.config import Settings
 
         self.port = port
         self.project = f"{COMPOSE_PROJECT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -79,7 +79,7 @@ class Ganesha:
         self.log = REPO_ROOT / ".build" / f"{self.project}.log"
 
     def _compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        from distlib.tools.cluster import engine
+        from distlib_deploy.cluster import engine
 
         return engine.run_compose(self.compose, self.project, self.files, list(args), self.variables,
                                   log_path=str(self.log), timeout=timeout)
@@ -100,7 +100,7 @@ class Ganesha:
         self.wait_healthy(120)
 
     def container(self):
-        from distlib.tools.cluster import engine
+        from distlib_deploy.cluster import engine
 
         client = engine.connect()
         found = engine.project_containers(client, self.project, "nfs")
@@ -132,7 +132,7 @@ class Ganesha:
     @staticmethod
     def sweep_orphans() -> List[str]:
         """Remove the nfs projects of test sessions whose process is gone."""
-        from distlib.tools.cluster import engine
+        from distlib_deploy.cluster import engine
 
         removed = []
         with contextlib.suppress(Exception):

@@ -41,7 +41,7 @@ from distlib.store.tcp import codec as proto
 from distlib.store.tcp.security import StoreSecurity
 from tests.fixtures.ports import free_port
 from tests.fixtures.procfs import memory_bytes
-from distlib.tools.subprocesses import stop
+from distlib.subprocesses import stop
 
 MiB = 1024 * 1024
 #: CPUs of (the server and the good client, the attackers) with ``--pin``; None: no pinning.

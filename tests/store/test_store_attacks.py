@@ -30,7 +30,7 @@ from distlib.store.tcp.security import StoreSecurity
 from distlib.store.tcp.server import MAX_HELD_REQUESTS
 from tests.fixtures.ports import free_port
 from tests.fixtures.procfs import cpu_seconds, memory_bytes
-from distlib.tools.subprocesses import stop
+from distlib.subprocesses import stop
 from tests.fixtures.sockets import closed_by_server, recv_exact
 
 MiB = 1024 * 1024

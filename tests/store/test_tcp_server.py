@@ -21,7 +21,7 @@ import pytest
 
 from distlib.store.tcp import StoreServer, TCPStore
 from distlib.store.tcp import codec as proto
-from distlib.tools.store_service import StoreServerProcess
+from distlib.store_service import StoreServerProcess
 from tests.fixtures.sockets import closed_by_server, recv_exact
 
 HELLO = proto.validate() + proto.ping(1234)

@@ -36,7 +36,7 @@ import torch.distributed as tdist  # noqa: E402
 from distlib import DistStoreError, QueueEmptyError  # noqa: E402
 from distlib.store import PrefixStore  # noqa: E402
 from distlib.store.tcp import TCPStore  # noqa: E402
-from distlib.tools.store_service import StoreServerProcess  # noqa: E402
+from distlib.store_service import StoreServerProcess  # noqa: E402
 from tests.fixtures.ports import free_port  # noqa: E402
 from tests.store.append_order import TRIES, slow_thread_switches, stale_reads  # noqa: E402,F401 - a fixture
 

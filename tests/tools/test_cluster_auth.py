@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from distlib.tools.cluster import auth_token, commands, config, engine
-from distlib.tools.command import ToolError
-from distlib.tools.jobs import mpi_launch
+from distlib_deploy.cluster import auth_token, commands, config, engine
+from distlib.command import ToolError
+from distlib_deploy.jobs import mpi_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("tcp", "rank0", "file", "nfs", "mpi")
@@ -152,7 +152,7 @@ def test_auth_off_leaves_every_trace_of_the_token_out(tmp_path, mode):
 
 def test_mpirun_passes_the_token_files_path_on_to_the_ranks():
     nodes = mpi_launch.plan(["10.0.0.2"], 1)
-    cmd = mpi_launch.mpirun_command(nodes, Path("/h/hostfile"), ["-m", "distlib.tools.jobs.train_dp"], "/workspace",
+    cmd = mpi_launch.mpirun_command(nodes, Path("/h/hostfile"), ["-m", "distlib_deploy.jobs.train_dp"], "/workspace",
                                     "eth0", {"DISTLIB_RUN_ID": "r1",
                                              "DISTLIB_AUTH_TOKEN_FILE": auth_token.CONTAINER_PATH})
     text = " ".join(cmd)

@@ -1,10 +1,10 @@
-"""What held a job CLUSTER_TIMEOUT stopped (distlib/tools/cluster/stall.py), from logs shaped as
+"""What held a job CLUSTER_TIMEOUT stopped (deploy/distlib_deploy/cluster/stall.py), from logs shaped as
 the containers write them (no engine: the end-to-end run is in tests/containers/
 test_compose_cluster.py)."""
 
 from __future__ import annotations
 
-from distlib.tools.cluster.stall import container_of_ranks, held_by, last_word, latest_waits
+from distlib_deploy.cluster.stall import container_of_ranks, held_by, last_word, latest_waits
 
 LAUNCH = ("{t} INFO distlib.launcher: node {n} of 4: starting 1 worker(s), global ranks {n}..{n} of 4; init method "
           "env://; run id 'r1'\n")

@@ -1,4 +1,4 @@
-"""distlib/tools/command.py: the scaffold every tool's command line is built on."""
+"""distlib/command.py: the scaffold every tool's command line is built on."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from distlib.tools import command
-from distlib.tools.command import ToolError
+from distlib import command
+from distlib.command import ToolError
 
 
 @pytest.mark.parametrize("text, expected", [

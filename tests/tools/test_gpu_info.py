@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from distlib.tools import gpu_info
+from distlib import gpu_info
 
 
 @pytest.mark.parametrize("code, text", [(23203, "2.32.3"), (21003, "2.10.3"), (22907, "2.29.7"), (2708, "2.7.8")])

@@ -1,68 +1,60 @@
-"""The tools stay out of the library: no module of the library imports distlib.tools, and the
-`distlib` command (distlib/cli.py) reaches them only inside the functions that run a tool."""
+"""The library stands alone: no module of distlib imports the deployment (distlib_deploy) or
+the benchmarks (distlib_bench), importing the library and its command loads neither, and the
+``distlib`` command finds their subcommands only through the entry-point group."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.test_imports import PACKAGES, import_graph
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "distlib"
+OUTSIDE = ("distlib_deploy", "distlib_bench")
 
 
-def tools_imports(source: str, package: str):
-    """(line, at module level?) of every import of distlib.tools in ``source``, a module of
-    ``package`` (for relative imports)."""
-    tree = ast.parse(source)
-    top_level = {id(node) for node in tree.body}
-    found = []
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
-        if any(n == "distlib.tools" or n.startswith("distlib.tools.") for n in names):
-            found.append((node.lineno, id(node) in top_level))
-    return found
+def outside_imports(graph) -> list:
+    """Library modules that import a module of the other two packages."""
+    return sorted(f"{m} imports {t}" for m, targets in graph.items() if m.split(".")[0] == "distlib"
+                  for t in targets if t.split(".")[0] in OUTSIDE)
 
 
-def test_the_scan_sees_each_way_of_importing():
-    sample = ("import distlib.tools.demo\nfrom ..tools import command\nfrom distlib import tools\n"
-              "from . import shm\ndef f():\n    from .. import tools\n")
-    assert tools_imports(sample, "distlib.transport") == [(1, True), (2, True), (3, True), (6, False)]
+def test_the_scan_sees_a_library_module_importing_the_deployment():
+    assert outside_imports({"distlib.cli": {"distlib_deploy.demo"}, "distlib_bench.store": {"distlib.store"}}) == [
+        "distlib.cli imports distlib_deploy.demo"]
 
 
-def test_no_library_module_imports_the_tools():
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE)
-        if rel.parts[0] == "tools":
-            continue
-        package = ".".join(("distlib",) + rel.parts[:-1])
-        for line, at_top in tools_imports(path.read_text(), package):
-            if rel.as_posix() == "cli.py" and not at_top:
-                continue  # the command hands a subcommand to its tool when it runs
-            offenders.append(f"distlib/{rel.as_posix()}:{line}")
-    assert not offenders, "the library must not import distlib.tools:\n" + "\n".join(offenders)
+def test_no_library_module_imports_the_deployment_or_the_benchmarks():
+    assert outside_imports(import_graph(PACKAGES)) == []
 
 
-def test_importing_the_library_and_its_command_loads_no_tool():
+def test_importing_the_library_and_its_command_loads_neither_package():
     code = ("import sys, distlib, distlib.cli, distlib.run; distlib.cli.build_parser(); "
-            "print(sorted(m for m in sys.modules if m.startswith('distlib.tools')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('distlib_deploy', 'distlib_bench')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
+def test_the_command_finds_the_other_packages_subcommands_by_entry_point():
+    from distlib import cli
+
+    found = cli.installed_commands()
+    assert {name: found[name].value for name in ("bench", "cluster", "demo")} == {
+        "bench": "distlib_bench:main", "cluster": "distlib_deploy.cluster:main", "demo": "distlib_deploy.demo:main"}
+
+
+def test_a_subcommand_whose_package_is_missing_names_the_package(monkeypatch, capsys):
+    from distlib import cli
+
+    monkeypatch.setattr(cli, "installed_commands", lambda: {})
+    assert cli.main(["bench", "store"]) == 2
+    assert "distlib bench: not installed here: it is in the package distlib-c10d-bench" in capsys.readouterr().err
+
+
 def test_the_scaffold_does_not_import_numpy():
-    code = ("import sys; from distlib.tools import command; command.parse_endpoint('m:1'); "
+    code = ("import sys; from distlib import command; command.parse_endpoint('m:1'); "
             "print('numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr

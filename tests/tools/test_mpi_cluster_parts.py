@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from distlib.tools.cluster import ssh_keys
-from distlib.tools.command import ToolError
-from distlib.tools.jobs import _common, mpi_launch, mpi_rank, mpi_sshd
+from distlib_deploy.cluster import ssh_keys
+from distlib.command import ToolError
+from distlib_deploy.jobs import _common, mpi_launch, mpi_rank, mpi_sshd
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def wrapped(record_dir: Path, code: str, env=None) -> subprocess.Popen:
-    """``python -m distlib.tools.jobs.mpi_rank`` around ``python -c code``, as mpirun starts it."""
-    return subprocess.Popen([sys.executable, "-m", "distlib.tools.jobs.mpi_rank", "--record-dir", str(record_dir),
+    """``python -m distlib_deploy.jobs.mpi_rank`` around ``python -c code``, as mpirun starts it."""
+    return subprocess.Popen([sys.executable, "-m", "distlib_deploy.jobs.mpi_rank", "--record-dir", str(record_dir),
                              "--", sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -101,7 +101,7 @@ def test_the_rank_does_not_outlive_its_parent(tmp_path):
 
 
 def test_usage_without_a_program():
-    done = subprocess.run([sys.executable, "-m", "distlib.tools.jobs.mpi_rank", "python"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "distlib_deploy.jobs.mpi_rank", "python"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and mpi_rank.USAGE in done.stderr
 
@@ -119,7 +119,7 @@ def test_the_plan_puts_ranks_on_nodes_in_address_order():
 
 def test_the_mpirun_command():
     nodes = mpi_launch.plan(["10.0.0.2", "10.0.0.3", "10.0.0.4"], 1)
-    cmd = mpi_launch.mpirun_command(nodes, Path("/h/hostfile"), ["-m", "distlib.tools.jobs.train_dp", "--epochs", "2"],
+    cmd = mpi_launch.mpirun_command(nodes, Path("/h/hostfile"), ["-m", "distlib_deploy.jobs.train_dp", "--epochs", "2"],
                                     "/workspace", "eth0", {"DISTLIB_RUN_ID": "r1", "DISTLIB_LOG_LEVEL": ""})
     text = " ".join(cmd)
     assert cmd[:3] == ["/opt/distlib/bin/mpirun", "--prefix", "/opt/distlib"]
@@ -129,9 +129,9 @@ def test_the_mpirun_command():
     assert "-x DISTLIB_BACKEND=mpi" in text and "-x DISTLIB_RUN_ID" in text and "DISTLIB_LOG_LEVEL" not in text
     # a script written for torchrun (env://) finds rank 0's store on node 0
     assert "-x MASTER_ADDR=10.0.0.2 -x MASTER_PORT=29500" in text
-    tail = cmd[cmd.index("distlib.tools.jobs.mpi_rank") - 2:]
-    assert tail == ["/opt/distlib/bin/python", "-m", "distlib.tools.jobs.mpi_rank", "--", "/opt/distlib/bin/python",
-                    "-m", "distlib.tools.jobs.train_dp", "--epochs", "2"]
+    tail = cmd[cmd.index("distlib_deploy.jobs.mpi_rank") - 2:]
+    assert tail == ["/opt/distlib/bin/python", "-m", "distlib_deploy.jobs.mpi_rank", "--", "/opt/distlib/bin/python",
+                    "-m", "distlib_deploy.jobs.train_dp", "--epochs", "2"]
 
 
 def test_the_launchers_ssh_client(tmp_path):
@@ -206,7 +206,7 @@ def test_what_the_exec_ed_program_writes_to_stderr_goes_through_the_filter():
     """filter_stderr, then exec (as main() execs sshd): the program's stderr loses the probes'
     lines, keeps the others in order, and the filter ends when the program does."""
     lines = "".join(line.decode() for line in SSHD_LOG)
-    code = ("import os, sys; from distlib.tools.jobs import mpi_sshd; mpi_sshd.filter_stderr(); "
+    code = ("import os, sys; from distlib_deploy.jobs import mpi_sshd; mpi_sshd.filter_stderr(); "
             "os.execv('/bin/sh', ['sh', '-c', 'printf \"%s\" \"$0\" >&2', sys.argv[1]])")
     done = subprocess.run([sys.executable, "-c", code, lines], capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr

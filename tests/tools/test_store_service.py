@@ -1,4 +1,4 @@
-"""distlib/tools/store_service.py: `distlib store-server` as a child process, up and answering
+"""distlib/store_service.py: `distlib store-server` as a child process, up and answering
 when start() returns, gone after stop(), with a clear error when it cannot come up."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 
 from distlib.store import TCPStore
-from distlib.tools import store_service
-from distlib.tools.store_service import StoreServerProcess
+from distlib import store_service
+from distlib.store_service import StoreServerProcess
 
 
 def test_started_answering_and_stopped_cleanly(tmp_path):

@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from distlib.tools.jobs import _common as C
-from distlib.tools.jobs import train_dp
+from distlib_deploy.jobs import _common as C
+from distlib_deploy.jobs import train_dp
 
 #: numpy under another name: ``xp is np`` is False, so the job takes the path it takes on cupy.
 NOT_NUMPY = types.SimpleNamespace(**{k: getattr(np, k) for k in dir(np) if not k.startswith("__")})

@@ -20,7 +20,7 @@ protocol over it).
   GET, read the old value). torch's server thread needs no interpreter and never lags so;
   with the echo read first, the next request reaches the server after everything it had
   received, as it does there. The price: a stream of sets from the master handle pays a
-  round trip per set (docs/performance-log.md). Such a client does not busy-poll either.
+  round trip per set (bench/performance-log.md). Such a client does not busy-poll either.
 """
 
 from __future__ import annotations

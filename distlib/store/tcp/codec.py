@@ -156,7 +156,7 @@ class Limits:
 #
 # Each factory returns the encoder of one opcode's requests, with the opcode bound in a closure:
 # the client's hot paths call it directly (one Python call per request, as cheap as packing
-# the bytes inline; docs/performance-log.md), and the layout is still written down once.
+# the bytes inline; bench/performance-log.md), and the layout is still written down once.
 
 _pack_u64 = U64.pack
 _pack_i64 = I64.pack
