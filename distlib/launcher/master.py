@@ -28,6 +28,7 @@ from typing import Optional
 
 from ..deadline import Deadline, format_duration
 from ..errors import DistError
+from ..keyspace import KeySpace
 from ..store.tcp.connect import format_endpoint
 
 log = logging.getLogger("distlib.launcher")
@@ -158,7 +159,7 @@ def ensure_master_service(host: str, port: int, timeout: float) -> Optional[Host
 
 def node_rank_key(run_id: str) -> str:
     """The counter ``--node-rank auto`` increments: inside the run's namespace of the master service."""
-    return f"distlib/run/{run_id}/node_rank"
+    return KeySpace(run_id).node_rank_counter()
 
 
 def take_node_rank(host: str, port: int, run_id: str, nnodes: int, timeout: float) -> int:
