@@ -14,7 +14,6 @@ import warnings
 from datetime import timedelta
 from typing import Dict, List, Optional
 
-from . import settings
 from .backends import cupy_env
 from .backends.base import BackendBase
 from .backends.nccl_devices import parse_device_id
@@ -22,7 +21,9 @@ from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
 from .errors import DistBackendError
 from .group import NON_GROUP_MEMBER, GroupMember, ProcessGroup, world
-from .rendezvous import check_rank, default_pg_timeout, rendezvous
+from .identity import Identity
+from .rendezvous import check_rank, check_types, default_pg_timeout, rendezvous
+from .store.chain import close_quietly
 from .store.prefix import PrefixStore
 
 log = logging.getLogger("distlib.distributed")
@@ -76,6 +77,22 @@ def is_initialized() -> bool:
 
 def is_torchelastic_launched() -> bool:
     return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def get_node_local_rank(fallback_rank: Optional[int] = None) -> int:
+    """This process's rank on its node (torch's): ``LOCAL_RANK``; inside an ``srun`` step, where
+    no launcher set it, ``SLURM_LOCALID`` (identity.py); else ``fallback_rank``; else torch's
+    RuntimeError. The way to pick a GPU per process, before or after init_process_group."""
+    identity = Identity.read()
+    if "local_rank" in identity.problems:  # LOCAL_RANK=x, or Slurm's variables contradicting each other
+        raise ValueError(identity.problems["local_rank"])
+    if identity.local_rank is not None:
+        return identity.local_rank
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError("LOCAL_RANK is not in the environment. Consider passing fallback_rank to allow "
+                       "`get_node_local_rank` to work, assuming you are not running in a multi-device context and "
+                       "want the code to run locally instead.")
 
 
 def _available_devices() -> List[str]:
@@ -182,31 +199,22 @@ def _default_timeout(config: Dict[str, str]) -> timedelta:
     return default_pg_timeout
 
 
-def _close_store(store) -> None:
-    inner = store
-    while isinstance(inner, PrefixStore):
-        inner = inner.underlying_store
-    close = getattr(inner, "close", None)
-    if callable(close):
-        close()
-
-
 # -- init / destroy -------------------------------------------------------------------------------
 
 
-def _launcher_init_method(rank: int, world_size: int):
+def _launcher_init_method(identity: Identity, rank: int, world_size: int):
     """(init method, rank, world size) for an init_process_group() given neither init_method nor
     store: ``DISTLIB_INIT_METHOD`` when set (distlib-run passes it on in the Compose cluster's and
     the Helm chart's file modes, where no TCP store runs and MASTER_ADDR may be this host's own
     loopback), with the launcher's RANK and WORLD_SIZE where the caller gave none (a file:// URL
     takes them from no variable, as in torch); else ``env://``, as torch does."""
-    url = settings.init_method()
+    url = identity.init_method
     if not url:
         return "env://", rank, world_size
-    if rank < 0 and os.environ.get("RANK", "").isdigit():
-        rank = int(os.environ["RANK"])
-    if world_size < 0 and os.environ.get("WORLD_SIZE", "").isdigit():
-        world_size = int(os.environ["WORLD_SIZE"])
+    if rank < 0 and identity.rank is not None and identity.rank >= 0:
+        rank = identity.rank
+    if world_size < 0 and identity.world_size is not None and identity.world_size >= 0:
+        world_size = identity.world_size
     log.info("init_process_group: init_method %s from DISTLIB_INIT_METHOD (rank %d, world size %d)", url, rank,
              world_size)
     return url, rank, world_size
@@ -233,6 +241,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             raise ValueError("trying to initialize the default process group twice!")
         if init_method is not None and store is not None:
             raise ValueError("Cannot specify both init_method and store.")
+        check_types(rank, world_size)
+        identity = Identity.read(os.environ, rank, world_size)  # who this process is: read once, here
         if store is not None:
             if world_size <= 0:
                 raise ValueError("world_size must be positive if using store")
@@ -241,7 +251,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             check_rank(rank, world_size, f"rank={rank}, from the rank= argument",
                        f"world_size={world_size}, from the world_size= argument")
         elif init_method is None:
-            init_method, rank, world_size = _launcher_init_method(rank, world_size)
+            init_method, rank, world_size = _launcher_init_method(identity, rank, world_size)
         device_id = parse_device_id(device_id)
         if backend is None and device_id is not None:
             backend = Backend.NCCL  # torch: the default backend of the device's type
@@ -256,8 +266,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             from .backends import mpi_runtime
 
             rank, world_size = mpi_runtime.world_rank_and_size(rank, world_size)
-        # the log prefix's rank: srun's task rank stands in for RANK until env:// has set it
-        configure_logging(rank if rank >= 0 else int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or -1))
+        # the log prefix's rank: the identity's (RANK, or srun's task rank) until env:// has said
+        configure_logging(rank if rank >= 0 else identity.rank if identity.rank is not None else -1)
         name = str(world.group_count)
         world.group_count += 1
         started = time.monotonic()
@@ -265,7 +275,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             store, owns_store = None, False
         elif store is None:
             store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout,
-                                                      wait_for_workers=False))
+                                                      wait_for_workers=False, identity=identity))
             store.set_timeout(timeout)
             store = PrefixStore("default_pg", store)
             owns_store = True
@@ -276,7 +286,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                                     device_id)
         except BaseException:
             if owns_store:
-                _close_store(store)
+                close_quietly(store)
             raise
         world.default_pg = pg
         world.default_store = store
@@ -284,6 +294,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         world.backend_config = config
         world.init_method = init_method
         world.owns_store = owns_store
+        world.identity = identity.with_values(rank=rank, world_size=world_size)
         log.info("rank %d/%d joined process group %s (%s) in %s", rank, world_size, name, pg.backend_name,
                  format_duration(time.monotonic() - started))
 
@@ -315,8 +326,8 @@ def _teardown(group, how) -> None:
                 raise ValueError("Invalid process group specified")
             for name in sorted(world.groups, key=lambda n: (len(n), n), reverse=True):
                 how(world.groups[name])
-            if getattr(world, "owns_store", False) and world.default_store is not None:
-                _close_store(world.default_store)
+            if world.owns_store:
+                close_quietly(world.default_store)
             world.reset()
             return
         if not isinstance(group, ProcessGroup) or world.groups.get(group.group_name) is not group:
@@ -447,6 +458,7 @@ def warn_not_in_group(op: str) -> None:
 __all__ = [
     "init_process_group", "destroy_process_group", "new_group", "is_initialized", "is_available",
     "is_gloo_available", "is_nccl_available", "is_mpi_available", "is_ucc_available", "is_backend_available",
-    "is_torchelastic_launched", "get_rank", "get_world_size", "get_backend", "get_process_group_ranks",
+    "is_torchelastic_launched", "get_node_local_rank", "get_rank", "get_world_size", "get_backend",
+    "get_process_group_ranks",
     "get_global_rank", "get_group_rank", "default_pg_timeout", "default_pg_nccl_timeout", "DistBackendError",
 ]

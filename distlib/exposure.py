@@ -76,14 +76,17 @@ def warn_open_listener(what: str, sock, token: Optional[bytes]) -> bool:
                  "objects that are unpickled: %s", what, where, where, TOKEN_ADVICE)
 
 
-def warn_open_job(master_addr: str, master_port: int, has_token: bool, multi_node: bool) -> bool:
+def warn_open_job(master_addr: str, master_port: int, has_token: bool, multi_node: bool,
+                  store: Optional[str] = None, consequence: str = "") -> bool:
     """The launcher's warning: a job whose store and ranks other hosts reach (several nodes,
-    or a master address that is not loopback), started without a token."""
+    or a master address that is not loopback), started without a token. ``store``: words for a
+    store that is not at master_addr:master_port (a file); ``consequence``: what else the
+    store's openness costs this job, appended to the warning."""
     if has_token or (not multi_node and (master_addr in ("localhost", "") or is_loopback(master_addr))):
         return False
-    where = f"[{master_addr}]:{master_port}" if ":" in master_addr else f"{master_addr}:{master_port}"
+    where = store or (f"[{master_addr}]:{master_port}" if ":" in master_addr else f"{master_addr}:{master_port}")
     return _once("job", "this job's store (%s) and its ranks' listeners run without a token: anyone who reaches "
-                 "them can join and send objects that are unpickled: %s", where, TOKEN_ADVICE)
+                 "them can join and send objects that are unpickled%s: %s", where, consequence, TOKEN_ADVICE)
 
 
 # -- files ---------------------------------------------------------------------------------------

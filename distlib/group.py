@@ -14,6 +14,8 @@ from typing import Dict, List, Optional
 
 from .backends.base import BackendBase
 from .errors import DistBackendError
+from .identity import Identity
+from .store.base import Store
 from .work import OrderedExecutor
 
 
@@ -113,19 +115,41 @@ NON_GROUP_MEMBER = _NonGroupMember()
 
 
 class _World:
-    """Everything init_process_group creates and destroy_process_group removes."""
+    """Everything init_process_group creates and destroy_process_group removes: each field is
+    declared here, and ``reset`` puts every one back (a process may init again)."""
+
+    #: The default group (WORLD), None before init_process_group and after destroy.
+    default_pg: Optional[ProcessGroup]
+    #: The default group's store (``default_pg/`` over the rendezvous's); None with mpi.
+    default_store: Optional[Store]
+    #: Whether init_process_group made ``default_store`` (a rendezvous), so destroy closes it;
+    #: a store the caller passed is the caller's.
+    owns_store: bool
+    #: Every live group by name, the default one included.
+    groups: Dict[str, ProcessGroup]
+    #: The next group name (torch's counter: every rank creates groups in the same order).
+    group_count: int
+    #: device -> backend name of the default group (new_group's default).
+    backend_config: Dict[str, str]
+    #: The init method the default group was made with (None: a store was passed).
+    init_method: Optional[str]
+    #: Who this process is (identity.py), as init_process_group read it, with the group's rank
+    #: and size.
+    identity: Optional[Identity]
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.reset()
 
     def reset(self) -> None:
-        self.default_pg: Optional[ProcessGroup] = None
+        self.default_pg = None
         self.default_store = None
-        self.groups: Dict[str, ProcessGroup] = {}
+        self.owns_store = False
+        self.groups = {}
         self.group_count = 0
-        self.backend_config: Dict[str, str] = {}
+        self.backend_config = {}
         self.init_method = None
+        self.identity = None
 
 
 world = _World()

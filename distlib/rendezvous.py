@@ -13,7 +13,11 @@ server: every rank, rank 0 included, is a client of ``MASTER_ADDR:MASTER_PORT`` 
 or the URL's host:port (tcp://). If ``TORCHELASTIC_RUN_ID`` or ``DISTLIB_RUN_ID`` is set,
 the store handed back is ``PrefixStore("distlib/run/<id>", store)``, so that jobs sharing
 one master service never see each other's keys; in a restarted elastic job
-(``TORCHELASTIC_RESTART_COUNT`` N > 0) ``.../attempt_<N>``, so that each round's keys are its own.
+(``TORCHELASTIC_RESTART_COUNT`` N > 0) ``.../attempt_<N>``, so that each round's keys are its own
+(the names: distlib/keyspace.py).
+
+env:// reads who this process is from ``identity.Identity`` (torch's variables, and Slurm's
+inside an ``srun`` step), which writes nothing into ``os.environ``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 from urllib.parse import urlparse, urlunparse
 
 from . import settings
-from .slurm import step as slurm_step
+from .identity import VARIABLES as IDENTITY_VARIABLES
+from .identity import Identity, IdentityError
 from .store.base import Store
 from .store.prefix import PrefixStore
 
@@ -51,16 +56,22 @@ def rendezvous(url, rank: int = -1, world_size: int = -1, **kwargs) -> Iterator[
     """Return the generator of ``(store, rank, world_size)`` for ``url`` (see module doc)."""
     if not isinstance(url, (str, bytes)):
         raise RuntimeError(f"`url` must be a string. {type(url)}: {url}")
-    if not isinstance(rank, numbers.Integral):
-        raise RuntimeError(f"`rank` must be an integer. {rank}")
-    if not isinstance(world_size, numbers.Integral):
-        raise RuntimeError(f"`world_size` must be an integer. {world_size}")
+    check_types(rank, world_size)
     if isinstance(url, bytes):
         url = url.decode("utf-8")
     return _rendezvous_helper(url, int(rank), int(world_size), **kwargs)
 
 
-def _rendezvous_helper(url: str, rank: int, world_size: int, **kwargs) -> Iterator[RendezvousResult]:
+def check_types(rank, world_size) -> None:
+    """torch's type checks of ``rank`` and ``world_size`` (RuntimeError, torch's texts)."""
+    if not isinstance(rank, numbers.Integral):
+        raise RuntimeError(f"`rank` must be an integer. {rank}")
+    if not isinstance(world_size, numbers.Integral):
+        raise RuntimeError(f"`world_size` must be an integer. {world_size}")
+
+
+def _rendezvous_helper(url: str, rank: int, world_size: int, identity: Optional[Identity] = None,
+                       **kwargs) -> Iterator[RendezvousResult]:
     result = urlparse(url)
     origins = {name: "argument" for name, value in (("rank", rank), ("world_size", world_size)) if value != -1}
     if rank != -1 or world_size != -1:
@@ -78,6 +89,7 @@ def _rendezvous_helper(url: str, rank: int, world_size: int, **kwargs) -> Iterat
     handler = _handlers[result.scheme]
     if handler in _BUILTIN:  # a user's handler keeps torch's keyword arguments
         kwargs["origins"] = origins
+        kwargs["identity"] = identity
     return handler(url, **kwargs)
 
 
@@ -101,23 +113,21 @@ def check_rank(rank: int, world_size: int, rank_from: str, size_from: str) -> No
                          f"({size_from}): ranks go from 0 to {world_size - 1}")
 
 
-def _origin(name: str, env_name: str, query: Dict[str, str], origins: Dict[str, str]) -> str:
-    """Where a handler's ``name`` came from, in words (see check_rank). ``origins``: "argument"
-    for an argument, else the variables an environment value was taken from (Slurm's)."""
+def _origin(name: str, query: Dict[str, str], origins: Dict[str, str], identity: Identity) -> str:
+    """Where a handler's ``name`` came from, in words (see check_rank): an argument, the URL, or
+    the identity's source (the environment, Slurm's variables)."""
     if origins.get(name) == "argument":
         return f"{name}={query.get(name)}, from the {name}= argument"
     if name in query:
         return f"{name}={query[name]}, from the init_method URL"
-    if name in origins:
-        return f"{env_name}={os.environ.get(env_name)}, from {origins[name]}"
-    return f"{env_name}={os.environ.get(env_name)}, from the environment"
+    return identity.source(name) or f"{name}={getattr(identity, name)}"
 
 
 def _checked(error: Callable[[str], ValueError], query: Dict[str, str], origins: Dict[str, str], rank: int,
-             world_size: int) -> None:
+             world_size: int, identity: Identity) -> None:
     try:
-        check_rank(rank, world_size, _origin("rank", "RANK", query, origins),
-                   _origin("world_size", "WORLD_SIZE", query, origins))
+        check_rank(rank, world_size, _origin("rank", query, origins, identity),
+                   _origin("world_size", query, origins, identity))
     except ValueError as exc:
         raise error(str(exc)) from None
 
@@ -126,24 +136,16 @@ def _use_libuv(query: Dict[str, str]) -> bool:
     return query.get("use_libuv", os.environ.get("USE_LIBUV", "1")) == "1"
 
 
-def uses_external_store(query: Dict[str, str]) -> bool:
+def uses_external_store(query: Dict[str, str], identity: Identity) -> bool:
     """True when the store already runs as a master service (see the module docstring)."""
-    if settings.external_store():
-        return True
-    return settings.flag("external_store", False, query)
-
-
-def _attempt() -> str:
-    """``attempt_<N>`` in a restarted elastic job (TORCHELASTIC_RESTART_COUNT = N > 0, the same on
-    every rank), so that a restarted round's keys never meet the keys its predecessor left
-    (torch's agent store does the same); "" otherwise."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
-    return f"attempt_{count}" if count.isdigit() and int(count) > 0 else ""
+    return identity.external_store or settings.flag("external_store", False, query)
 
 
 def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: timedelta,
-                      query: Dict[str, str], wait_for_workers: bool = True) -> Store:
-    """The TCPStore for env:// and tcp://: rank 0 hosts it, or nobody does (external service).
+                      query: Dict[str, str], wait_for_workers: bool = True,
+                      identity: Optional[Identity] = None) -> Store:
+    """The TCPStore for env:// and tcp://: rank 0 hosts it, or nobody does (external service),
+    and then the job's keys are under its run's and attempt's prefix (keyspace.py).
 
     ``wait_for_workers=False`` (what init_process_group asks for) lets rank 0 go on without
     counting the workers in the store: the group's join step waits for every rank anyway, and
@@ -151,12 +153,12 @@ def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, time
     """
     from .store.tcp.client import TCPStore
 
+    identity = identity if identity is not None else Identity.read()
     if not 0 <= port < 2**16:
         raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
-    if uses_external_store(query):
+    if uses_external_store(query, identity):
         store: Store = TCPStore(hostname, port, world_size, False, timeout, wait_for_workers=wait_for_workers)
-        rid = settings.run_id()
-        prefix = "/".join(p for p in (f"distlib/run/{rid}" if rid else "", _attempt()) if p)
+        prefix = identity.keys.store_prefix()
         return PrefixStore(prefix, store) if prefix else store
     return TCPStore(hostname, port, world_size, rank == 0, timeout, wait_for_workers=wait_for_workers,
                     multi_tenant=True, use_libuv=_use_libuv(query))
@@ -172,12 +174,13 @@ def _rank_and_world_size(query: Dict[str, str], error: Callable[[str], ValueErro
         raise error("world size parameter missing")
     rank = int(query["rank"])
     world_size = int(query["world_size"])
-    _checked(error, query, origins or {}, rank, world_size)
+    _checked(error, query, origins or {}, rank, world_size, Identity())
     return rank, world_size
 
 
 def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, wait_for_workers: bool = True,
-                            origins: Optional[Dict[str, str]] = None, **kwargs):
+                            origins: Optional[Dict[str, str]] = None, identity: Optional[Identity] = None,
+                            **kwargs):
     def error(msg: str) -> ValueError:
         return _rendezvous_error("tcp:// rendezvous: " + msg)
 
@@ -187,55 +190,43 @@ def _tcp_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, w
     query = _query_to_dict(result.query)
     rank, world_size = _rank_and_world_size(query, error, origins)
     assert result.hostname is not None, f"tcp:// URL without a host: {url}"
-    store = create_c10d_store(result.hostname, result.port, rank, world_size, timeout, query, wait_for_workers)
+    store = create_c10d_store(result.hostname, result.port, rank, world_size, timeout, query, wait_for_workers,
+                              identity)
     yield (store, rank, world_size)
     raise RuntimeError("Unable to perform re-rendezvous using tcp:// method")
 
 
 def _env_rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, wait_for_workers: bool = True,
-                            origins: Optional[Dict[str, str]] = None, **kwargs):
+                            origins: Optional[Dict[str, str]] = None, identity: Optional[Identity] = None,
+                            **kwargs):
     def error(msg: str) -> ValueError:
         return _rendezvous_error("env:// rendezvous: " + msg)
 
-    def env_or_raise(name: str) -> str:
-        value = os.environ.get(name)
-        if not value:
-            raise error(f"environment variable {name} expected, but not set" + slurm_step.outside_step_hint(os.environ))
-        return value
-
     query = _query_to_dict(urlparse(url).query)
-    origins = dict(origins or {})
-    for name, source in _fill_from_slurm(query, error).items():
-        origins[name] = source
-    rank = int(query["rank"]) if "rank" in query else int(env_or_raise("RANK"))
-    world_size = int(query["world_size"]) if "world_size" in query else int(env_or_raise("WORLD_SIZE"))
-    _checked(error, query, origins or {}, rank, world_size)
-    master_addr = env_or_raise("MASTER_ADDR")
-    master_port = int(env_or_raise("MASTER_PORT"))
-    store = create_c10d_store(master_addr, master_port, rank, world_size, timeout, query, wait_for_workers)
+    if identity is None:  # rendezvous() called directly: this process's identity, read now
+        identity = Identity.read(os.environ, int(query["rank"]) if "rank" in query else -1,
+                                 int(query["world_size"]) if "world_size" in query else -1)
+    try:
+        rank = int(query["rank"]) if "rank" in query else int(identity.need("rank"))  # type: ignore[arg-type]
+        world_size = (int(query["world_size"]) if "world_size" in query
+                      else int(identity.need("world_size")))  # type: ignore[arg-type]
+        _checked(error, query, origins or {}, rank, world_size, identity)
+        master_addr = str(identity.need("master_addr"))
+        master_port = int(identity.need("master_port"))  # type: ignore[arg-type]
+    except IdentityError as exc:
+        raise error(str(exc)) from None
+    if identity.from_slurm:
+        log.info("env:// inside Slurm step %s.%s: %s", os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID"),
+                 ", ".join(f"{_SLURM_NAMES[name]}={getattr(identity, name)} (from {source})"
+                           for name, source in identity.from_slurm.items()))
+    store = create_c10d_store(master_addr, master_port, rank, world_size, timeout, query, wait_for_workers, identity)
     yield (store, rank, world_size)
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
 
-def _fill_from_slurm(query: Dict[str, str], error: Callable[[str], ValueError]) -> Dict[str, str]:
-    """Inside an ``srun`` step, set the torch variables the task lacks from Slurm's (as torchrun
-    would have set them; distlib/slurm/step.py), so that this handler and the code after
-    init_process_group (a GPU per LOCAL_RANK) find them. Returns {"rank"/"world_size": the
-    Slurm variables} for the messages. Contradicting Slurm variables: ``error`` naming them,
-    before anything waits on the network."""
-    given = [env for key, env in (("rank", "RANK"), ("world_size", "WORLD_SIZE")) if key in query]
-    try:
-        values = slurm_step.torch_environment(os.environ, given)
-    except slurm_step.SlurmError as exc:
-        raise error(f"{exc} (Slurm's variables of this srun task)") from None
-    if not values:
-        return {}
-    for name, (value, _source) in values.items():
-        os.environ[name] = value
-    log.info("env:// inside Slurm step %s.%s: %s", os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID"),
-             ", ".join(f"{name}={value} (from {source})" for name, (value, source) in values.items()))
-    return {key: f"{values[env][1]} (srun)" for key, env in (("rank", "RANK"), ("world_size", "WORLD_SIZE"))
-            if env in values}
+#: The names the Slurm log line gives each field: torch's variables, which torchrun would set.
+_SLURM_NAMES = {name: variable for name, variable, _ in IDENTITY_VARIABLES}
+_SLURM_NAMES["run_id"] = "TORCHELASTIC_RUN_ID"
 
 
 def _file_rendezvous_handler(url: str, origins: Optional[Dict[str, str]] = None, **kwargs):

@@ -32,7 +32,8 @@ LAYERS: Dict[str, int] = {
     # 0: foundation
     "distlib.errors": 0, "distlib.deadline": 0, "distlib.net": 0, "distlib.busy_poll": 0,
     "distlib.cpus": 0, "distlib.auth": 0, "distlib.tls": 0, "distlib.settings": 0, "distlib.slurm": 0,
-    "distlib.refusals": 0, "distlib.exposure": 0, "distlib.subprocesses": 0,
+    "distlib.refusals": 0, "distlib.exposure": 0, "distlib.subprocesses": 0, "distlib.identity": 0,
+    "distlib.keyspace": 0, "distlib.printable": 0,
 }
 
 

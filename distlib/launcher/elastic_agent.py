@@ -1,6 +1,8 @@
 """The elastic agent: one node's part of an elastic job, round after round.
 
-It does what ``rounds.decide`` says, against the state ``rounds_store.RoundStore`` keeps:
+It does what ``rounds.decide`` says, against the state ``rounds_store.RoundStore`` keeps, and
+writes nothing ``decide`` did not make: its own events reach ``decide`` through the view that
+``bookkeeping.Bookkeeping`` builds (a worker's failure, its workers' success, a signal).
 
 * joins the open round (or waits as a late node), closes it when the rules say so;
 * starts this node's workers for the round with torchrun's variables (``RANK``,
@@ -15,13 +17,14 @@ It does what ``rounds.decide`` says, against the state ``rounds_store.RoundStore
 * SIGTERM/SIGINT/SIGHUP: the workers get the signal (SIGKILL after the grace period) and this
   node leaves the job, which the others see at once (no waiting for its heartbeat to stop);
   the rendezvous is never closed for the others (torch #123678, #67742);
-* the job failed (no restarts left, too few nodes within the join timeout): every node stops
-  its workers and prints the outcome and every round with its cause; exit status 1;
+* the job failed (no restarts left, too few nodes within the join timeout, a state record that
+  no agent wrote): every node stops its workers and prints the outcome and every round with
+  its cause; exit status 1;
 * the store stopped answering for longer than the heartbeat bound: the workers are stopped and
   the agent fails, naming the store.
 
 Every wait has a deadline: the join timeout, the grace period, the store's patience, the
-close timeout for a store this agent hosts.
+close timeout for a store this agent's launch hosts (launch.py hosts it, master.serve).
 """
 
 from __future__ import annotations
@@ -32,19 +35,21 @@ import secrets
 import signal
 import socket
 import time
-from typing import List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional
 
 from ..deadline import Deadline, format_duration
 from ..errors import DistError
+from ..keyspace import KeySpace
 from ..store.base import Store
 from ..store.tcp.connect import format_endpoint
 from . import rounds as R
 from .agent import STREAM_JOIN_S, Signals, Worker, describe_status, failure_report, say, stop_workers
+from .bookkeeping import Bookkeeping
 from .elastic_config import ElasticPlan
-from .master import HostedStore, LauncherError, ensure_master_service
+from .master import RAN_OUT_SLACK_S, HostedStore, LauncherError
 from .output import OutputSpec
 from .resolve import Resolved
-from .rounds_store import Heartbeat, Liveness, RoundStore, StoreGone
+from .rounds_store import Heartbeat, RoundStore, StoreGone
 from .workerenv import Placement, Program, round_env
 
 log = logging.getLogger("distlib.launcher")
@@ -54,35 +59,49 @@ PROGRESS_S = 10.0
 
 
 class ElasticAgent:
-    """One node of an elastic job (module docstring). ``run()`` returns the exit status."""
+    """One node of an elastic job (module docstring). ``run()`` returns the exit status.
+    ``hosted``: the store server this node's launch runs in-process, if it does (kept until
+    the job is over for every node)."""
 
     def __init__(self, resolved: Resolved, plan: ElasticPlan, program: Program, output: OutputSpec,
-                 grace_period: float, rdzv_timeout: float, environ: Mapping[str, str], role: str = "default"):
+                 grace_period: float, environ: Mapping[str, str], role: str = "default",
+                 hosted: Optional[HostedStore] = None):
         self.resolved = resolved
         self.plan = plan
         self.program = program
         self.output = output
         self.grace = grace_period
-        self.rdzv_timeout = rdzv_timeout
         self.environ = environ
         self.role = role
+        self.hosted = hosted
         self.run_id = str(resolved.run_id.value)
+        self.keys = KeySpace(self.run_id)
         self.workers: List[Worker] = []
         self.running_round: Optional[int] = None
-        self.hosted: Optional[HostedStore] = None
         self.signals = Signals()
         self.node = ""
         self.info: Optional[R.NodeInfo] = None
+        #: this node's first failed worker of the running round, reported with the next stop
+        self.failure: Optional[Worker] = None
+        self.leaving: Optional[R.Leaving] = None
 
     # -- the store ---------------------------------------------------------------------------------
 
-    def _connector(self):
+    def _where(self) -> str:
+        if self.resolved.rdzv_file is not None:
+            return str(self.resolved.rdzv_file.value)
+        return format_endpoint(str(self.resolved.master_addr.value), int(self.resolved.master_port.value))
+
+    def _connector(self) -> Callable[[float], Store]:
         conf = self.plan.conf
         if self.resolved.rdzv_file is not None:
             from ..store.file import FileStore
 
             path = str(self.resolved.rdzv_file.value)
-            os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+            try:
+                os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+            except OSError as exc:
+                raise LauncherError(f"the rendezvous store at {path} cannot be opened: {exc}") from exc
 
             def connect_file(_seconds: float) -> Store:
                 store = FileStore(path)
@@ -93,17 +112,26 @@ class ElasticAgent:
         from ..store.tcp.client import TCPStore
 
         host, port = str(self.resolved.master_addr.value), int(self.resolved.master_port.value)
-        self.hosted = ensure_master_service(host, port, self.rdzv_timeout)
-        if self.hosted is not None and port == 0:  # --standalone: a private store on a free port
-            port = self.hosted.port
-            self.resolved = self.resolved.with_master_port(port, "a free port (this agent hosts the store)")
-        elif self.hosted is not None:
-            log.warning("this agent hosts the rendezvous store at %s in-process: if this node is lost, every node "
-                        "fails with it. An elastic job should have a master service of its own (distlib "
-                        "store-server) or a file:// endpoint", format_endpoint(host, port))
         return lambda seconds: TCPStore(host, port, None, False, seconds)
 
-    def _identity(self, address: str) -> None:
+    def _connect(self, connect: Callable[[float], Store]) -> RoundStore:
+        """The agent's RoundStore; LauncherError saying how long it tried when the store cannot
+        be reached, with the wait that ran out only when it did run out."""
+        started = time.monotonic()
+        timeout = self.plan.conf.timeout
+        try:
+            return RoundStore(connect, self.run_id, self.plan.conf.heartbeat_bound, timeout)
+        except (DistError, OSError) as exc:
+            waited = time.monotonic() - started
+            if isinstance(exc, OSError) and not isinstance(exc, DistError):
+                how = "cannot be opened"
+            elif waited + RAN_OUT_SLACK_S >= timeout:
+                how = f"did not answer within {format_duration(timeout)} (--rdzv-conf timeout)"
+            else:
+                how = f"refused this agent after {format_duration(waited)}"
+            raise LauncherError(f"the rendezvous store at {self._where()} {how}: {exc}") from exc
+
+    def _new_node_id(self, address: str) -> None:
         host = socket.gethostname()
         self.node = f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
         hint = self.resolved.node_rank.value if self.resolved.node_rank.source != "default" else None
@@ -114,10 +142,10 @@ class ElasticAgent:
     def _init_method(self, state: R.JobState) -> Optional[str]:
         if self.resolved.rdzv_file is None:
             return None
-        path = str(self.resolved.rdzv_file.value)
-        return f"file://{path}.{self.run_id}.attempt_{state.round}"
+        return "file://" + self.keys.of_attempt(state.round).file_store(str(self.resolved.rdzv_file.value))
 
     def _start(self, state: R.JobState) -> None:
+        assert self.info is not None
         nproc = self.info.nproc
         first = state.first_rank(self.node)
         node_rank = state.ranks.index(self.node)
@@ -138,84 +166,68 @@ class ElasticAgent:
                 raise WorkerStartError(f"could not start {w.name}: {' '.join(w.argv)}: {exc}") from exc
 
     def _stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop this node's workers; a failure among them is reported here, once."""
         if self.workers:
-            stop_workers(self.workers, sig, self.grace, self.signals)
+            failed = self.failure
+            workers = self.workers
+            stop_workers(workers, sig, self.grace, self.signals)
             deadline = Deadline(STREAM_JOIN_S)
-            for w in self.workers:
+            for w in workers:
                 w.join_output(deadline)
+            if failed is not None:
+                for w in workers:
+                    if w.poll() not in (None, 0) and w.stopped_by_us is None:
+                        w.signal(signal.SIGKILL)  # what the worker left behind in its process group
+                assert self.info is not None
+                say(failure_report(failed, f"node {self.info.describe()}", workers))
         self.workers = []
         self.running_round = None
+        self.failure = None
 
-    def _report_failure(self, rounds: RoundStore) -> Optional[Worker]:
-        """The worker of this node that exited first with a failure, reported to the job as the
-        running round's cause (a restart, or — when another node restarted the round for a
-        worker that exited later — the first cause); None when none failed."""
-        failed = [w for w in self.workers if w.poll() not in (None, 0) and not w.stopped_by_us]
-        if not failed:
-            return None
-        now = time.time()
-        first = min(failed, key=lambda w: (w.exited_at or now, w.global_rank))
-        cause = f"worker failed: {first.name} on {self.info.describe()} {describe_status(first.poll())}"
-        at, for_round = first.exited_at or now, self.running_round
-        rounds.update(lambda s: R.restart(s, for_round, (cause,), at) if s else s)
-        return first
-
-    def _check_workers(self, rounds: RoundStore) -> None:
-        """One look at the workers: a failure asks for the next round, success finishes the node."""
+    def _worker_news(self) -> "tuple[Optional[R.WorkerExit], bool]":
+        """(this node's first failed worker of the running round, all of them done) for the view."""
+        if not self.workers or self.running_round is None:
+            return None, False
         codes = [w.poll() for w in self.workers]
-        failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
+        failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0) and not w.stopped_by_us]
         if failed:
-            first = self._report_failure(rounds) or failed[0]
-            workers = self.workers
-            self._stop()
-            for w in failed:
-                w.signal(signal.SIGKILL)
-            say(failure_report(first, f"node {self.info.describe()}", workers))
-        elif codes and all(c == 0 for c in codes):
-            for_round = self.running_round
-            rounds.update(lambda s: R.finish_node(s, self.node, for_round) if s else s)
-            self._stop()
-            log.info("this node's workers of round %d finished", for_round)
+            now = time.time()
+            first = min(failed, key=lambda w: (w.exited_at or now, w.global_rank))
+            if self.failure is None or (first.exited_at or now) < (self.failure.exited_at or now):
+                self.failure = first
+            first, code = self.failure, self.failure.poll()
+            assert self.info is not None and code is not None
+            cause = f"worker failed: {first.name} on {self.info.describe()} {describe_status(code)}"
+            return R.WorkerExit(self.running_round, cause, first.exited_at or now), False
+        return None, bool(codes) and all(c == 0 for c in codes)
 
     # -- the loop -----------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        try:
-            return self._run()
-        finally:
-            if self.hosted is not None:
-                self.hosted.stop()
-
-    def _run(self) -> int:
         self.signals.install()
         rounds = heart = None
         try:
             connect = self._connector()
-            patience = self.plan.conf.heartbeat_bound
-            rounds = RoundStore(connect, self.run_id, patience, self.plan.conf.timeout)
-            self._identity(rounds.local_address() or _own_address())
-            heart = Heartbeat(RoundStore(connect, self.run_id, patience, self.plan.conf.timeout), self.node,
-                              self.plan.conf.keep_alive_interval).start()
+            rounds = self._connect(connect)
+            self._new_node_id(rounds.local_address() or _own_address())
+            heart = Heartbeat(self._connect(connect), self.node, self.plan.conf.keep_alive_interval).start()
             status = self._loop(rounds, heart)
         except StoreGone as exc:
             self._stop(signal.SIGTERM)
-            say(f"the elastic job cannot go on: {exc}. Every node loses its rendezvous with it; start the job "
-                "again with a new --rdzv-id once the store is back")
-            status = 1
+            if self.leaving is not None:
+                log.warning("could not tell the others that this node left (%s): they will notice its silence", exc)
+                status = self.leaving.status
+            else:
+                say(f"the elastic job cannot go on: {exc}. Every node loses its rendezvous with it; start the job "
+                    "again with a new --rdzv-id once the store is back")
+                status = 1
         except (WorkerStartError, LauncherError) as exc:
             self._stop(signal.SIGTERM)
             say(str(exc))
             status = 1
-        except (DistError, OSError) as exc:
-            where = self.resolved.rdzv_file.value if self.resolved.rdzv_file is not None else format_endpoint(
-                str(self.resolved.master_addr.value), int(self.resolved.master_port.value))
-            how = (f"did not answer within {format_duration(self.plan.conf.timeout)} (--rdzv-conf timeout)"
-                   if isinstance(exc, DistError) else "cannot be opened")
-            say(f"the rendezvous store at {where} {how}: {exc}")
-            status = 1
-        except ValueError as exc:  # the state key holds something else
-            say(f"the rendezvous store's key for run {self.run_id!r} holds {exc}: another program's key? Give this "
-                "run its own --rdzv-id")
+        except (DistError, OSError) as exc:  # a store call outside RoundStore's retries: say which, no traceback
+            self._stop(signal.SIGTERM)
+            say(f"the rendezvous store at {self._where()} failed: {exc}")
             status = 1
         finally:
             if self.workers:
@@ -225,94 +237,97 @@ class ElasticAgent:
             if rounds is not None:
                 rounds.close()
             self.signals.restore()
-        self._release_hosted(status)
         return status
 
     def _loop(self, rounds: RoundStore, heart: Heartbeat) -> int:
-        p = self.plan
-        created = rounds.update(lambda s: s or R.initial(p.min_nodes, p.max_nodes, p.max_restarts))
-        mismatch = R.config_mismatch(created, p.min_nodes, p.max_nodes, p.max_restarts)
-        if mismatch:
-            say(f"cannot join run {self.run_id!r} on {rounds.where}: {mismatch}")
-            return 1
-        if created.phase in (R.SUCCEEDED, R.FAILED) and self.node not in created.nodes:
-            say(f"run {self.run_id!r} on {rounds.where} already {created.phase} ({created.outcome}): nothing to do. "
-                "Give every new run its own --rdzv-id")
-            return 0 if created.phase == R.SUCCEEDED else 1
-        log.info("elastic agent %s: run %r, --nnodes %s, --max-restarts %d, store %s, heartbeat bound %s",
-                 self.node, self.run_id, p.range_text, p.max_restarts, rounds.where,
-                 format_duration(p.conf.heartbeat_bound))
-        liveness = Liveness()
-        seen_round, opened_at, min_at, waiting_since = -1, 0.0, None, None
-        beats_at, said_at = 0.0, 0.0
+        assert self.info is not None
+        books = Bookkeeping(self.plan)
+        seen_state = wrote = False
+        said_at = 0.0
         while True:
-            if self.signals.received:
-                return self._leave(rounds, self.signals.received[0])
+            if self.signals.received and self.leaving is None:
+                self._leave(self.signals.received[0])
             if heart.problem:
                 raise StoreGone(heart.problem)
             raw, state = rounds.read()
-            if state is None:  # the store answers but holds no job: a master service that restarted
-                raise StoreGone(f"the rendezvous store ({rounds.where}) answers again but no longer holds run "
-                                f"{self.run_id!r}: it restarted and lost the job's state (a master service must "
-                                "outlive the job)")
             now = time.monotonic()
-            if state.round != seen_round:
-                seen_round, opened_at, min_at = state.round, now, None
-            if state.phase == R.JOINING and len(state.joined) >= state.min_nodes:
-                min_at = now if min_at is None else min_at
-            else:
-                min_at = None
-            if self.node in state.waiting:
-                waiting_since = waiting_since if waiting_since is not None else now
-            else:
-                waiting_since = None
-            if now - beats_at >= p.conf.keep_alive_interval / 2:
-                nodes = R.watched(state)
-                liveness.observe(rounds.beats(nodes), now)
-                liveness.forget(nodes)
-                beats_at = now
-            view = R.View(now=now, silent=liveness.silent(now), heartbeat_bound=p.conf.heartbeat_bound,
-                          join_timeout=p.conf.join_timeout, last_call_timeout=p.conf.last_call_timeout,
-                          round_opened_at=opened_at, min_reached_at=min_at, waiting_since=waiting_since,
-                          running_round=self.running_round)
-            action = R.decide(state, self.node, self.info, view)
-            if action.kind == "write":
+            if isinstance(state, R.JobState):
+                if not seen_state:
+                    refusal = None if wrote else self._refusal(state, rounds.where)
+                    if refusal is not None:
+                        return refusal
+                    self._started(rounds)
+                seen_state = True
+                books.observe(state, self.node, now)
+                if books.beats_due(now):
+                    watched = R.watched(state)
+                    books.observe_beats(rounds.beats(watched), watched, now)
+            elif state is None and seen_state:  # the store answers but holds no job any more
+                raise StoreGone(f"the rendezvous store ({rounds.where}) answers again but no longer holds run "
+                                f"{self.run_id!r} (its key {self.keys.elastic_state()} is gone): it restarted and lost "
+                                "the job's state (a master service must outlive the job), or something deleted the key")
+            failure, finished = self._worker_news()
+            action = R.decide(state, self.node, self.info,
+                              books.view(now, self.running_round, failure, finished, self.leaving))
+            if action.kind is R.Kind.WRITE:
+                assert action.state is not None
                 if rounds.write(raw, action.state):
+                    wrote = True
                     log.info("%s", action.text)
                 continue
-            if action.kind == "start":
+            if action.kind is R.Kind.LEAVE:
+                return action.status
+            if action.kind is R.Kind.START:
+                assert isinstance(state, R.JobState)
                 self._start(state)
-            elif action.kind == "keep":
-                self._check_workers(rounds)
-                time.sleep(p.monitor_interval)
-            elif action.kind == "stop":
-                self._report_failure(rounds)  # this node's may have exited first
+            elif action.kind is R.Kind.KEEP:
+                time.sleep(self.plan.monitor_interval)
+            elif action.kind is R.Kind.STOP:
                 log.info("stopping this node's workers: %s", action.text)
                 self._stop()
-            elif action.kind == "rejoin":
+            elif action.kind is R.Kind.REJOIN:
                 self._stop()
                 old = self.node
-                self._identity(self.info.addr)
+                self._new_node_id(self.info.addr)
                 heart.retarget(self.node)
                 say(f"{action.text}; this node ({old}) comes back as a new node ({self.node}) and waits for the "
                     "next round")
-            elif action.kind == "finish":
-                if action.status and self._report_failure(rounds) is not None:
-                    self._stop()  # the failure it reported may be the job's first: read the outcome again
-                    continue
+            elif action.kind is R.Kind.FINISH:
+                assert isinstance(state, R.JobState)
                 return self._finish(rounds, state, action)
             else:  # wait
                 if now - said_at >= PROGRESS_S:
                     log.info("%s", action.text)
                     said_at = now
-                time.sleep(p.monitor_interval)
+                time.sleep(self.plan.monitor_interval)
+
+    def _refusal(self, state: R.JobState, where: str) -> Optional[int]:
+        """The exit status when this node cannot join the job it found (other limits, or a job
+        that already ended), having said why; None when it can."""
+        p = self.plan
+        mismatch = R.config_mismatch(state, p.min_nodes, p.max_nodes, p.max_restarts)
+        if mismatch:
+            say(f"cannot join run {self.run_id!r} on {where}: {mismatch}")
+            return 1
+        if state.phase in (R.SUCCEEDED, R.FAILED) and self.node not in state.nodes:
+            say(f"run {self.run_id!r} on {where} already {state.phase} ({state.outcome}): nothing to do. "
+                "Give every new run its own --rdzv-id")
+            return 0 if state.phase == R.SUCCEEDED else 1
+        return None
+
+    def _started(self, rounds: RoundStore) -> None:
+        p = self.plan
+        log.info("elastic agent %s: run %r, --nnodes %s, --max-restarts %d, store %s, heartbeat bound %s",
+                 self.node, self.run_id, p.range_text, p.max_restarts, rounds.where,
+                 format_duration(p.conf.heartbeat_bound))
 
     def _finish(self, rounds: RoundStore, state: R.JobState, action: R.Action) -> int:
         self._stop()
         if action.status:
             say(f"the elastic job failed: {action.text}")
             lines = R.rounds_text(state)
-            say("rounds:\n" + "\n".join(f"  {line}" for line in lines))
+            if lines:
+                say("rounds:\n" + "\n".join(f"  {line}" for line in lines))
             return action.status
         log.info("%s", action.text)
         if self.hosted is not None:
@@ -320,30 +335,23 @@ class ElasticAgent:
         return 0
 
     def _wait_for_the_end(self, rounds: RoundStore) -> None:
-        """This agent hosts the store: keep it until the job is over for every node."""
+        """This node's launch hosts the store: keep it until the job is over for every node."""
         deadline = Deadline(self.plan.conf.join_timeout)
         while not deadline.expired() and not self.signals.received:
             _raw, state = rounds.read()
-            if state is None or state.phase in (R.SUCCEEDED, R.FAILED):
+            if not isinstance(state, R.JobState) or state.phase in (R.SUCCEEDED, R.FAILED):
                 return
             time.sleep(max(self.plan.monitor_interval, 0.2))
 
-    def _leave(self, rounds: RoundStore, sig: int) -> int:
+    def _leave(self, sig: int) -> None:
+        """A signal: this node's workers get it (SIGKILL after the grace period), and the view
+        says this node leaves, so that decide writes its drop."""
         name = signal.Signals(sig).name
         say(f"received {name}: stopping this node's workers (SIGKILL after {format_duration(self.grace)}) and "
             "leaving the job; the other nodes go on without it")
         self._stop(sig)
-        why = f"node left: {self.info.describe()} received {name}"
-        try:
-            rounds.update(lambda s: R.drop(s, self.node, why) if s else s)
-        except StoreGone as exc:
-            log.warning("could not tell the others that this node left (%s): they will notice its silence", exc)
-        return 128 + int(sig)
-
-    def _release_hosted(self, status: int) -> None:
-        """A store this agent hosts: kept for the others' last calls after a success (run() stops it)."""
-        if self.hosted is not None and status == 0:
-            self.hosted.linger(self.plan.conf.close_timeout)
+        assert self.info is not None
+        self.leaving = R.Leaving(f"node left: {self.info.describe()} received {name}", 128 + int(sig))
 
 
 class WorkerStartError(RuntimeError):

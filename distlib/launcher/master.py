@@ -8,8 +8,9 @@ every worker timing out after the store timeout:
 
 * the endpoint answers: use it;
 * nothing answers, and HOST is this machine (a loopback address, or an address a socket here
-  can bind): this agent starts a store server in-process (listening on every interface, as
-  torch's TCPStore does) and keeps it up while its workers run — and, after they finished
+  can bind): this agent starts a store server in-process, listening on the endpoint's address
+  only (net.bind_for_clients: 127.0.0.1 stays on this machine; the node's own address is what
+  other nodes reach), and keeps it up while its workers run — and, after they finished
   well, until the other clients (workers of other nodes) have disconnected, for at most the
   rendezvous timeout. Two agents on one machine may both try; the one whose bind fails uses
   the other's server;
@@ -24,16 +25,21 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..deadline import Deadline, format_duration
 from ..errors import DistError
+from ..keyspace import KeySpace
 from ..store.tcp.connect import format_endpoint
+from .resolve import Resolved
 
 log = logging.getLogger("distlib.launcher")
 
 #: How long an agent gives a store server on this machine to answer before starting its own.
 LOCAL_PROBE_S = 1.0
+#: A client that gives up at its deadline returns a moment before our clock reads it: within
+#: this much, the wait is what ran out (and the error says so).
+RAN_OUT_SLACK_S = 0.05
 
 
 class LauncherError(RuntimeError):
@@ -146,19 +152,38 @@ def ensure_master_service(host: str, port: int, timeout: float) -> Optional[Host
             return hosted
     log.info("waiting for the master service (distlib store-server) at %s (up to %s)", where,
              format_duration(timeout))
+    started = time.monotonic()
     try:
         check_answers(host, port, timeout)
     except DistError as exc:
+        waited = time.monotonic() - started
+        # the wait that ran out, or how soon the endpoint failed without running out of it
+        if waited + RAN_OUT_SLACK_S >= timeout:
+            what = f"no distlib store-server answered at {where} within {format_duration(timeout)}"
+        else:
+            what = (f"the master service at {where} failed after {format_duration(waited)} (of up to "
+                    f"{format_duration(timeout)})")
         raise LauncherError(
-            f"no distlib store-server answered at {where} within {format_duration(timeout)} "
-            f"(--rdzv-backend c10d --rdzv-endpoint {where}); start one there (distlib store-server --host 0.0.0.0 --port {port}) "
-            f"or fix the endpoint: {exc}") from exc
+            f"{what} (--rdzv-backend c10d --rdzv-endpoint {where}); start one there (distlib store-server --host "
+            f"0.0.0.0 --port {port}) or fix the endpoint: {exc}") from exc
     return None
+
+
+def serve(resolved: Resolved, timeout: float) -> Tuple[Optional[HostedStore], Resolved]:
+    """The master service of a launch whose store is a TCP store at the resolved endpoint (c10d,
+    and every elastic launch without a file endpoint): ``ensure_master_service`` there, and with
+    endpoint port 0 the port the hosted server got, in the Resolved handed back. The one place a
+    launcher hosts a store, for a fixed-size and an elastic launch alike."""
+    host, port = str(resolved.master_addr.value), int(resolved.master_port.value)
+    hosted = ensure_master_service(host, port, timeout)
+    if hosted is not None and port == 0:
+        resolved = resolved.with_master_port(hosted.port, "a free port (this agent hosts the store)")
+    return hosted, resolved
 
 
 def node_rank_key(run_id: str) -> str:
     """The counter ``--node-rank auto`` increments: inside the run's namespace of the master service."""
-    return f"distlib/run/{run_id}/node_rank"
+    return KeySpace(run_id).node_rank_counter()
 
 
 def take_node_rank(host: str, port: int, run_id: str, nnodes: int, timeout: float) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from ..keyspace import KeySpace
 from .elastic_config import ElasticPlan
 from .resolve import Resolved
 from .workerenv import Placement, Program, torchrun_env, worker_env
@@ -79,7 +80,7 @@ def dry_run_text(resolved: Resolved, program: Program, plan: Optional[ElasticPla
                 env[name] = "auto"
         elif plan is not None:
             node, nproc = resolved.node_rank.value, resolved.nproc_per_node.value
-            init = (f"file://{resolved.rdzv_file.value}.{resolved.run_id.value}.attempt_0"
+            init = ("file://" + KeySpace(str(resolved.run_id.value), 0).file_store(str(resolved.rdzv_file.value))
                     if resolved.rdzv_file is not None else None)
             env = torchrun_env(resolved, Placement(node * nproc + local_rank, local_rank, resolved.world_size, node,
                                                    resolved.nnodes.value, nproc, 0, plan.max_restarts), init,

@@ -30,12 +30,11 @@ fail a moment later, and naming one of those would send the user to the wrong ra
 
 from __future__ import annotations
 
-import json
+import enum
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 JOINING, RUNNING, SUCCEEDED, FAILED = "joining", "running", "succeeded", "failed"
-FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -105,43 +104,36 @@ class JobState:
         position = self.ranks.index(node)
         return sum(self.nodes[n].nproc for n in self.ranks[:position])
 
-    # -- JSON, the store's form ---------------------------------------------------------------------
 
-    def to_json(self) -> bytes:
-        data = {
-            "format": FORMAT, "min": self.min_nodes, "max": self.max_nodes, "max_restarts": self.max_restarts,
-            "round": self.round, "phase": self.phase, "joined": self.joined, "expected": self.expected,
-            "ranks": self.ranks, "waiting": self.waiting, "done": self.done,
-            "nodes": {k: [v.name, v.addr, v.pid, v.nproc, v.hint] for k, v in self.nodes.items()},
-            "gone": dict(self.gone), "causes": self.causes, "cause_at": self.cause_at,
-            "history": [[r.number, r.causes, r.nodes, r.world_size] for r in self.history],
-            "outcome": self.outcome,
-        }
-        return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+@dataclass(frozen=True)
+class BadRecord:
+    """What the store holds at the state's key when it is no state this code could have written
+    (state_record.py says why, in ``problem``): a foreign write, another program's key."""
 
-    @classmethod
-    def from_json(cls, raw: bytes) -> "JobState":
-        """ValueError (saying what it is) for bytes that are not a state of this format."""
-        try:
-            data = json.loads(raw.decode("utf-8"))
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-            return cls(
-                min_nodes=data["min"], max_nodes=data["max"], max_restarts=data["max_restarts"],
-                round=data["round"], phase=data["phase"], joined=tuple(data["joined"]),
-                expected=tuple(data["expected"]), ranks=tuple(data["ranks"]), waiting=tuple(data["waiting"]),
-                done=tuple(data["done"]),
-                nodes={k: NodeInfo(v[0], v[1], v[2], v[3], v[4]) for k, v in data["nodes"].items()},
-                gone=dict(data["gone"]), causes=tuple(data["causes"]), cause_at=float(data.get("cause_at", 0.0)),
-                history=tuple(RoundRecord(h[0], tuple(h[1]), tuple(h[2]), h[3]) for h in data["history"]),
-                outcome=data["outcome"],
-            )
-        except (KeyError, IndexError, TypeError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not an elastic job state ({type(exc).__name__}: {exc})") from None
+    key: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One agent's ``--nnodes MIN:MAX`` and ``--max-restarts``: what it creates a job with."""
+
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
 
 
 def initial(min_nodes: int, max_nodes: int, max_restarts: int) -> JobState:
     return JobState(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
+
+
+def failed_record(limits: Optional[Limits], bad: BadRecord) -> JobState:
+    """The state that replaces a bad record: the job failed, saying which key held what."""
+    limits = limits or Limits(1, 1, 0)
+    return fail(initial(limits.min_nodes, limits.max_nodes, limits.max_restarts),
+                f"the job's state at {bad.key} was overwritten with a record no agent writes ({bad.problem}): "
+                "something else writes to this run's keys (another program, or anyone who reaches the store "
+                "without a token); the job cannot trust its rounds any more")
 
 
 def config_mismatch(state: JobState, min_nodes: int, max_nodes: int, max_restarts: int) -> Optional[str]:
@@ -298,22 +290,60 @@ class View:
     waiting_since: Optional[float] = None
     #: the round this agent's workers belong to (None: no workers running)
     running_round: Optional[int] = None
+    #: this agent's limits: what it creates the state with (or replaces a bad record with)
+    limits: Optional[Limits] = None
+    #: the first of this node's workers that failed, while its workers are not yet stopped
+    failure: Optional["WorkerExit"] = None
+    #: every worker of this node's running round exited 0
+    finished: bool = False
+    #: this node was told to stop (a signal); its workers are already stopped
+    leaving: Optional["Leaving"] = None
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """A worker of this node that failed in round ``round``: ``cause`` in words, and ``at``, when it
+    exited (wall clock, to order it against other nodes' reports: module docstring)."""
+
+    round: int
+    cause: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """This node was told to stop: ``why`` in words, and the exit status it ends with (128 + N)."""
+
+    why: str
+    status: int
+
+
+class Kind(enum.Enum):
+    """What an agent does next (``Action.kind``)."""
+
+    #: put ``Action.state`` in the store (compare_set against what was read), then decide again
+    WRITE = "write"
+    #: nothing to do yet (``text`` says for what); look again after the monitor interval
+    WAIT = "wait"
+    #: start this node's workers for the running round
+    START = "start"
+    #: stop this node's workers (a new round began: ``text`` says why), then decide again
+    STOP = "stop"
+    #: the workers run in the current round: look at them again after the monitor interval
+    KEEP = "keep"
+    #: this node was dropped (``text``): stop its workers, come back as a new node
+    REJOIN = "rejoin"
+    #: the job (or this node's part) is over: exit with ``status``, saying ``text``
+    FINISH = "finish"
+    #: this node has left the job (the others know): exit with ``status``
+    LEAVE = "leave"
 
 
 @dataclass(frozen=True)
 class Action:
-    """What the agent does next. ``kind``:
+    """What the agent does next (``Kind``); ``decide`` is the only maker of the state an agent writes."""
 
-    * ``write``: put ``state`` in the store (compare_set against what was read), then decide again;
-    * ``wait``: nothing to do yet (``text`` says for what); look again after the monitor interval;
-    * ``start``: start this node's workers for the running round;
-    * ``stop``: stop this node's workers (a new round began: ``text`` says why), then decide again;
-    * ``keep``: the workers run in the current round: watch them;
-    * ``rejoin``: this node was dropped (``text``): stop its workers, come back as a new node;
-    * ``finish``: the job (or this node's part) is over: exit with ``status``, saying ``text``.
-    """
-
-    kind: str
+    kind: Kind
     text: str = ""
     state: Optional[JobState] = None
     status: int = 0
@@ -353,52 +383,84 @@ def _too_few(state: JobState, view: View) -> str:
             "the same --rdzv-endpoint and --rdzv-id")
 
 
-def decide(state: JobState, node: str, info: NodeInfo, view: View) -> Action:
-    """Agent ``node``'s next action (``Action`` says what each kind means)."""
+def decide(state: Union[JobState, BadRecord, None], node: str, info: NodeInfo, view: View) -> Action:
+    """Agent ``node``'s next action (``Kind`` says what each means), for what the store holds
+    (None: nothing yet) and what the agent sees. Every write of the job's state comes from here:
+    the agent's own events (a worker's exit, its workers' success, a signal) reach it through the
+    view."""
+    if state is None:
+        if view.limits is None:
+            return Action(Kind.WAIT, "no job state yet")
+        return Action(Kind.WRITE, "creating the job's state", initial(view.limits.min_nodes, view.limits.max_nodes,
+                                                                       view.limits.max_restarts))
+    if isinstance(state, BadRecord):
+        return Action(Kind.WRITE, f"the job's state at {state.key} is not valid: {state.problem}",
+                      failed_record(view.limits, state))
+    if view.leaving is not None:
+        left = drop(state, node, view.leaving.why)
+        if left != state:
+            return Action(Kind.WRITE, view.leaving.why, left)
+        return Action(Kind.LEAVE, view.leaving.why, status=view.leaving.status)
+    if view.failure is not None:
+        reported = restart(state, view.failure.round, (view.failure.cause,), view.failure.at)
+        if reported != state:
+            return Action(Kind.WRITE, view.failure.cause, reported)
     if state.phase == SUCCEEDED:
         if node in state.ranks:
-            return Action("finish", f"the job succeeded: {state.outcome}")
-        return Action("finish", f"the job finished (round {state.round}) before this node was admitted")
+            return Action(Kind.FINISH, f"the job succeeded: {state.outcome}")
+        return Action(Kind.FINISH, f"the job finished (round {state.round}) before this node was admitted")
     if state.phase == FAILED:
-        return Action("finish", state.outcome, status=1)
+        return Action(Kind.FINISH, state.outcome, status=1)
     if node in state.gone:
-        return Action("rejoin", f"this node was dropped from the job: {state.gone[node]}")
+        return Action(Kind.REJOIN, f"this node was dropped from the job: {state.gone[node]}")
     for other in watched(state):
         silent = view.silent.get(other, 0.0)
         if other != node and silent > view.heartbeat_bound:
             why = f"node lost: {state.describe(other)}: no heartbeat for {silent:.0f} s"
-            return Action("write", why, drop(state, other, why))
+            return Action(Kind.WRITE, why, drop(state, other, why))
+    if view.finished and view.running_round is not None:
+        finished = finish_node(state, node, view.running_round)
+        if finished != state:
+            return Action(Kind.WRITE, f"this node's workers of round {view.running_round} finished", finished)
     if view.running_round is not None and (state.phase != RUNNING or view.running_round != state.round):
-        return Action("stop", f"round {state.round} began: {'; '.join(state.causes)}")
+        return Action(Kind.STOP, f"round {state.round} began: {'; '.join(state.causes)}")
     if state.phase == JOINING:
-        if node not in state.joined:
-            return Action("write", f"joining round {state.round}", join(state, node, info))
-        if _closing(state, view):
-            return Action("write", f"closing round {state.round}", close(state))
-        if len(state.joined) < state.min_nodes and view.now - view.round_opened_at > view.join_timeout:
-            return Action("write", "join timeout", fail(state, _too_few(state, view)))
-        return Action("wait", f"round {state.round}: {len(state.joined)} of {state.min_nodes}..{state.max_nodes} "
-                              f"node(s) joined")
-    # running
+        return _joining(state, node, info, view)
+    return _running(state, node, info, view)
+
+
+def _joining(state: JobState, node: str, info: NodeInfo, view: View) -> Action:
+    if node not in state.joined:
+        return Action(Kind.WRITE, f"joining round {state.round}", join(state, node, info))
+    if _closing(state, view):
+        return Action(Kind.WRITE, f"closing round {state.round}", close(state))
+    if len(state.joined) < state.min_nodes and view.now - view.round_opened_at > view.join_timeout:
+        return Action(Kind.WRITE, "join timeout", fail(state, _too_few(state, view)))
+    return Action(Kind.WAIT, f"round {state.round}: {len(state.joined)} of {state.min_nodes}..{state.max_nodes} "
+                             f"node(s) joined")
+
+
+def _running(state: JobState, node: str, info: NodeInfo, view: View) -> Action:
     if node in state.ranks:
         if node in state.done:
-            return Action("finish", f"this node's workers of round {state.round} finished")
+            return Action(Kind.FINISH, f"this node's workers of round {state.round} finished")
         if view.running_round != state.round:
-            return Action("start", f"round {state.round}")
+            return Action(Kind.START, f"round {state.round}")
         if state.waiting and len(state.ranks) < state.max_nodes and not state.done \
                 and state.round < state.max_restarts:
             why = "node joined: " + _names(state, state.waiting)
-            return Action("write", why, restart(state, state.round, (why,)))
-        return Action("keep")
+            return Action(Kind.WRITE, why, restart(state, state.round, (why,)))
+        return Action(Kind.KEEP)
     if node not in state.waiting:
-        return Action("write", f"waiting to be admitted after round {state.round}", join(state, node, info))
+        return Action(Kind.WRITE, f"waiting to be admitted after round {state.round}", join(state, node, info))
     if view.waiting_since is not None and view.now - view.waiting_since > view.join_timeout:
         room = ("no restarts are left" if state.round >= state.max_restarts else
                 f"it has the most nodes allowed ({state.max_nodes})" if len(state.ranks) >= state.max_nodes else
                 "no restart came")
-        return Action("finish", f"not admitted within the join timeout of {view.join_timeout:g} s: round "
-                                f"{state.round} runs with {len(state.ranks)} node(s) and {room}", status=1)
-    return Action("wait", f"waiting for the next round (round {state.round} runs with {len(state.ranks)} node(s))")
+        return Action(Kind.FINISH, f"not admitted within the join timeout of {view.join_timeout:g} s: round "
+                                   f"{state.round} runs with {len(state.ranks)} node(s) and {room}", status=1)
+    return Action(Kind.WAIT, f"waiting for the next round (round {state.round} runs with {len(state.ranks)} "
+                             "node(s))")
 
 
 # -- words ------------------------------------------------------------------------------------------

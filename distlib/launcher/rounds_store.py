@@ -1,16 +1,22 @@
-"""The elastic job's state (rounds.py) kept in a store, and the nodes' heartbeats.
+"""The elastic job's state (rounds.py) kept in a store, and the nodes' heartbeats: every store
+call an agent makes goes through ``RoundStore``.
 
 Any ``Store`` with compare_set does: a TCPStore client of the master service, or a FileStore on
 a shared file system (``--rdzv-endpoint file:///path``, for clusters without a master service).
-Keys live under ``distlib/elastic/<run id>/``:
+The keys (distlib/keyspace.py) live under ``distlib/elastic/<run id>/``:
 
-* ``state``: the JSON of ``JobState``. Every change is a read, a pure transition, and a
-  ``compare_set(state, what_was_read, new)``; when another node wrote first, the change is
-  computed again from what it wrote. No lock is held, nothing is lost, and every node sees the
-  same sequence of states.
-* ``hb/<node>``: a counter each agent increments every keep-alive interval (``add``). Others read
-  it with ``add(key, 0)`` (which never blocks) and note *on their own clock* when it last moved
-  (``Liveness``): no two hosts' clocks are compared, which a timestamp in the store would do.
+* ``state``: the JSON of ``JobState`` (state_record.py, its schema). Every change is a read, a
+  pure decision, and a ``compare_set(state, what_was_read, new)``; when another node wrote
+  first, the change is computed again from what it wrote. No lock is held, nothing is lost, and
+  every node sees the same sequence of states. Every read is checked against the schema: what
+  does not fit comes back as ``BadRecord`` (the key, what is wrong), never as an exception.
+* ``hb/<node>``: a node's heartbeat counter, which only that node writes (``set``, the next
+  number, every keep-alive interval). Others read it without waiting and without changing it
+  (``peek``) and note *on their own clock* when it last moved (bookkeeping.Liveness): no two
+  hosts' clocks are compared, which a timestamp in the store would do. A value that is no
+  counter (a foreign write) is not a beat: it is logged once, naming the key, and the owner's
+  next beat replaces it; nothing else is affected (a counter kept with ``add`` would make the
+  server refuse, and drop, the connection every node's reads go through).
 
 A store that stops answering is retried (saying so) for at most ``patience`` seconds, by
 default the heartbeat bound: the store is a member of the job too, and a job whose store is
@@ -22,26 +28,47 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Iterable, Optional, Tuple, TypeVar, Union
 
 from ..deadline import format_duration
 from ..errors import DistError
+from ..keyspace import KeySpace
+from ..printable import printable
 from ..store.base import Store
-from .rounds import JobState
+from ..store.chain import close_quietly
+from .rounds import BadRecord, JobState
+from .state_record import RecordError, decode, encode
 
 log = logging.getLogger("distlib.launcher")
 
 T = TypeVar("T")
 #: Pause between two tries of a store that did not answer.
 RETRY_PAUSE_S = 0.5
+#: What ``peek`` compares with and writes back: a value no agent writes (module docstring).
+_ABSENT = b"\x00distlib: no such key\x00"
+#: The longest heartbeat counter (2**63 has 19 digits).
+_COUNTER_DIGITS = 19
+
+Record = Union[JobState, BadRecord, None]
 
 
 class StoreGone(RuntimeError):
     """The rendezvous store stopped answering (the message names it and says for how long)."""
 
 
-def key_prefix(run_id: str) -> str:
-    return f"distlib/elastic/{run_id}/"
+def peek(store: Store, key: str) -> Optional[bytes]:
+    """The value at ``key`` (None when there is none), without waiting and without changing it:
+    ``compare_set`` with an expected value nobody writes returns what is there, or, for a key
+    that is absent, that expected value (torch's rule), and writes nothing."""
+    got = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if got == _ABSENT else got
+
+
+def parse_counter(raw: bytes) -> Optional[int]:
+    """A heartbeat counter (decimal digits), or None for anything else."""
+    if not raw or len(raw) > _COUNTER_DIGITS or not raw.isdigit():
+        return None
+    return int(raw)
 
 
 class RoundStore:
@@ -54,10 +81,12 @@ class RoundStore:
 
     def __init__(self, connect: Callable[[float], Store], run_id: str, patience: float, first_wait: float):
         self._connect = connect
-        self._prefix = key_prefix(run_id)
+        self.keys = KeySpace(run_id)
         self.patience = patience
         self._store: Optional[Store] = connect(first_wait)
         self.where = self._store.describe()
+        #: node -> the value of its heartbeat key last reported as no counter (reported once)
+        self._bad_beats: Dict[str, bytes] = {}
 
     # -- store calls, retried -------------------------------------------------------------------------
 
@@ -83,12 +112,7 @@ class RoundStore:
 
     def _drop_client(self) -> None:
         store, self._store = self._store, None
-        close = getattr(store, "close", None)
-        if close is not None:
-            try:
-                close()
-            except (DistError, OSError):
-                pass
+        close_quietly(store)
 
     def close(self) -> None:
         self._drop_client()
@@ -100,91 +124,87 @@ class RoundStore:
 
     # -- the state ----------------------------------------------------------------------------------------
 
-    def read(self) -> Tuple[bytes, Optional[JobState]]:
-        """(raw bytes, state), or (b"", None) before any node wrote one. ValueError when the key
-        holds something that is not a state (another program's key)."""
-        key = self._prefix + "state"
-
-        def get(store: Store) -> bytes:
-            return store.get(key) if store.check([key]) else b""
-
-        raw = self._call("reading the job's state", get)
-        return raw, (JobState.from_json(raw) if raw else None)
+    def read(self) -> Tuple[bytes, Record]:
+        """(raw bytes, what they hold): (b"", None) before any node wrote a state; a
+        ``BadRecord`` naming the key and the problem when they are not a valid state."""
+        key = self.keys.elastic_state()
+        raw = self._call("reading the job's state", lambda store: peek(store, key))
+        if raw is None:
+            return b"", None
+        try:
+            return raw, decode(raw)
+        except RecordError as exc:
+            return raw, BadRecord(key, str(exc))
 
     def write(self, raw: bytes, new: JobState) -> bool:
         """compare_set from ``raw`` (b"": no state yet) to ``new``; False when another node wrote first."""
-        desired = new.to_json()
-        key = self._prefix + "state"
+        desired = encode(new)
+        key = self.keys.elastic_state()
         got = self._call("writing the job's state", lambda store: store.compare_set(key, raw, desired))
         return got == desired
 
-    def update(self, change: Callable[[Optional[JobState]], Optional[JobState]]) -> Optional[JobState]:
-        """Apply ``change`` to the current state until it sticks; the state after it."""
-        while True:
-            raw, state = self.read()
-            new = change(state)
-            if new is None or new == state:
-                return state
-            if self.write(raw, new):
-                return new
-
     # -- heartbeats -------------------------------------------------------------------------------------
 
-    def beat(self, node: str) -> int:
-        return self._call("a heartbeat", lambda store: store.add(self._prefix + "hb/" + node, 1))
+    def beat(self, node: str, count: int) -> None:
+        """Set ``node``'s heartbeat counter to ``count`` (only that node's agent calls this)."""
+        self._call("a heartbeat", lambda store: store.set(self.keys.heartbeat(node), str(count).encode()))
 
-    def beats(self, nodes: Iterable[str]) -> Dict[str, int]:
-        """Each node's heartbeat counter (0: never beat), without blocking."""
+    def beats(self, nodes: Iterable[str]) -> Dict[str, Optional[int]]:
+        """Each node's heartbeat counter: 0 when it never beat, None when its key holds
+        something that is no counter (logged once per key and value), without blocking."""
         nodes = list(nodes)
-        return self._call("reading heartbeats",
-                          lambda store: {n: store.add(self._prefix + "hb/" + n, 0) for n in nodes})
-
-
-class Liveness:
-    """When this agent last saw each node's heartbeat counter move, on its own monotonic clock."""
-
-    def __init__(self):
-        self._seen: Dict[str, Tuple[int, float]] = {}
-
-    def observe(self, counters: Dict[str, int], now: float) -> None:
-        for node, count in counters.items():
-            last = self._seen.get(node)
-            if last is None or last[0] != count:
-                self._seen[node] = (count, now)
-
-    def silent(self, now: float) -> Dict[str, float]:
-        return {node: now - since for node, (_count, since) in self._seen.items()}
-
-    def forget(self, keep: Iterable[str]) -> None:
-        keep = set(keep)
-        self._seen = {n: v for n, v in self._seen.items() if n in keep}
+        raw = self._call("reading heartbeats", lambda store: {n: peek(store, self.keys.heartbeat(n)) for n in nodes})
+        out: Dict[str, Optional[int]] = {}
+        for node, value in raw.items():
+            if value is None:
+                out[node] = 0
+                continue
+            out[node] = parse_counter(value)
+            if out[node] is not None:
+                self._bad_beats.pop(node, None)
+            elif self._bad_beats.get(node) != value:
+                self._bad_beats[node] = value
+                shown = printable(value[:60].decode("utf-8", "replace"))
+                log.warning("the heartbeat key %s holds %r, which is no counter (something else wrote it): not "
+                            "counted as a beat; the node's next beat replaces it", self.keys.heartbeat(node), shown)
+        return out
 
 
 class Heartbeat:
-    """A thread that increments this node's counter every ``interval`` seconds, on its own
-    client of the store; ``problem`` holds why it could not, once it has failed for longer than
-    the store's patience."""
+    """A thread that sets this node's counter to the next number every ``interval`` seconds, on
+    its own client of the store; ``problem`` holds why it could not, once it has failed for
+    longer than the store's patience."""
 
     def __init__(self, rounds: RoundStore, node: str, interval: float):
         self._rounds = rounds
         self.node = node
         self._interval = interval
+        self._count = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self.problem: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="distlib-run-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        self._rounds.beat(self.node)  # the first one before anyone looks
+        self._beat()  # the first one before anyone looks
         self._thread.start()
         return self
 
     def retarget(self, node: str) -> None:
-        self.node = node
+        """Beat for ``node`` from now on, the first time at once (before it joins as that node)."""
+        with self._lock:
+            self.node = node
+        self._beat()
+
+    def _beat(self) -> None:
+        with self._lock:
+            self._count += 1
+            self._rounds.beat(self.node, self._count)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                self._rounds.beat(self.node)
+                self._beat()
             except StoreGone as exc:
                 self.problem = str(exc)
                 return

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from ..identity import Identity
 from .resolve import Resolved
 
 
@@ -74,36 +75,21 @@ class Placement:
 
 def torchrun_env(resolved: Resolved, where: Placement, init_method: Optional[str] = None,
                  agent_store: Optional[bool] = None) -> Dict[str, str]:
-    """torchrun's variables for one worker at ``where`` (module docstring); ``init_method``
-    replaces MASTER_ADDR/MASTER_PORT (an elastic job's file store of the round). ``agent_store``:
-    whether the store already runs (default: with c10d); an elastic job's always does."""
-    run_id = str(resolved.run_id.value)
+    """torchrun's variables for one worker at ``where`` (module docstring): the worker's
+    ``Identity`` (distlib/identity.py, which names every variable once) as the environment.
+    ``init_method`` replaces MASTER_ADDR/MASTER_PORT (an elastic job's file store of the round).
+    ``agent_store``: whether the store already runs (default: with c10d); an elastic job's always does."""
     external = resolved.c10d if agent_store is None else agent_store
-    env = {
-        "RANK": str(where.rank),
-        "LOCAL_RANK": str(where.local_rank),
-        "WORLD_SIZE": str(where.world_size),
-        "LOCAL_WORLD_SIZE": str(where.nproc),
-        "GROUP_RANK": str(where.node_rank),
-        "NODE_RANK": str(where.node_rank),
-        "GROUP_WORLD_SIZE": str(where.nnodes),
-        "ROLE_RANK": str(where.rank),
-        "ROLE_WORLD_SIZE": str(where.world_size),
-        "ROLE_NAME": where.role,
-        "MASTER_ADDR": str(resolved.master_addr.value),
-        "MASTER_PORT": str(resolved.master_port.value),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "DISTLIB_RUN_ID": run_id,
-        "TORCHELASTIC_RESTART_COUNT": str(where.restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(where.max_restarts),
-        "TORCHELASTIC_USE_AGENT_STORE": "True" if external and init_method is None else "False",
-        "DISTLIB_EXTERNAL_STORE": "1" if external and init_method is None else "0",
-    }
-    if init_method is not None:
-        del env["MASTER_ADDR"], env["MASTER_PORT"]
-        env["DISTLIB_INIT_METHOD"] = init_method
-    elif resolved.init_method is not None:
-        env["DISTLIB_INIT_METHOD"] = str(resolved.init_method.value)
+    own_file = init_method is not None
+    identity = Identity(
+        rank=where.rank, world_size=where.world_size, local_rank=where.local_rank, local_world_size=where.nproc,
+        node_rank=where.node_rank, nnodes=where.nnodes,
+        master_addr=None if own_file else str(resolved.master_addr.value),
+        master_port=None if own_file else int(resolved.master_port.value),
+        run_id=str(resolved.run_id.value), restart_count=where.restart_count, max_restarts=where.max_restarts,
+        role=where.role, external_store=external and not own_file,
+        init_method=init_method or (str(resolved.init_method.value) if resolved.init_method else ""))
+    env = identity.environ()
     for name, value in resolved.extra_env.items():
         env[name] = str(value.value)
     return env

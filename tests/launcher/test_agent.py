@@ -164,6 +164,37 @@ def test_c10d_unreachable_endpoint_fails_fast_and_names_it(tmp_path):
     assert time.monotonic() - started < 30
 
 
+def test_an_endpoint_that_answers_wrongly_fails_saying_how_soon_not_the_timeout():
+    """Something that is no store server answers at the endpoint: the error says it failed after
+    a moment, not "within 5m00s" (the --rdzv-timeout that did not run out)."""
+    import socket
+    import threading
+
+    from distlib.launcher.master import LauncherError, ensure_master_service
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_wrongly() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=answer_wrongly, daemon=True).start()
+    try:
+        with pytest.raises(LauncherError) as caught:
+            ensure_master_service("127.0.0.1", port, 300.0)
+    finally:
+        listener.close()
+    text = str(caught.value)
+    assert re.match(rf"the master service at 127.0.0.1:{port} failed after \S+ \(of up to 5m00s\)", text), text
+    assert "within 5m00s" not in text and "answered, but not as a TCPStore server" in text, text
+
+
 FAILING = textwrap.dedent("""
     import os, signal, sys, time
     local = int(os.environ["LOCAL_RANK"])

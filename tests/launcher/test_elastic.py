@@ -410,3 +410,89 @@ def test_standalone_with_max_restarts_restarts_the_node(tmp_path):
     records = {p.name: json.loads(p.read_text()) for p in out.glob("1-*.json")}
     assert sorted(records) == ["1-0.json", "1-1.json"]
     assert all(r["env"]["MASTER_PORT"] not in ("0", None) and r["sum"] == 2.0 for r in records.values())
+
+
+# -- foreign writes to the job's keys (issue 37) -----------------------------------------------------------
+
+
+def raw_client(endpoint: str) -> TCPStore:
+    host, port = endpoint.split(":")
+    return TCPStore(host, int(port), None, False, 10.0)
+
+
+def test_a_forged_state_fails_the_job_once_naming_the_key_and_what_was_wrong(make_job, tcp_endpoint):
+    """The state overwritten with `round: "zero"` while round 0 runs: every node stops its
+    workers and fails (exit 1) with one outcome that names the key and the field, no
+    traceback, no "did not answer". (Before: workers got TORCHELASTIC_RESTART_COUNT=zero and
+    the agents crashed with a TypeError at the next failure.)"""
+    job = make_job(tcp_endpoint, "forged", "2", 3, EW_STEPS="1000")
+    job.start(2)
+    job.started(0, 2)
+    client = raw_client(tcp_endpoint)
+    try:
+        key = "distlib/elastic/forged/state"
+        client.set(key, client.get(key).replace(b'"round":0', b'"round":"zero"'))
+        codes = job.wait(timeout=60)
+        outcome = job.state().outcome
+    finally:
+        client.close()
+    assert set(codes.values()) == {1}, codes
+    assert outcome.startswith("the job's state at distlib/elastic/forged/state was overwritten with a record no "
+                              "agent writes (field 'round' is \"zero\": expected an integer of at least 0)"), outcome
+    for agent in job.agents:
+        text = job.log(agent)
+        assert f"distlib-run: the elastic job failed: {outcome}" in text, text[-3000:]
+        own = "\n".join(line for line in text.splitlines() if not line.startswith("[rank"))  # not its workers'
+        assert "Traceback" not in own and "did not answer" not in own, own[-3000:]
+
+
+def test_a_foreign_heartbeat_write_does_not_end_the_job(make_job, tcp_endpoint):
+    """b"not-a-number" in one node's heartbeat key while round 0 runs: the job goes on and
+    succeeds on every node; the other node says which key held what. (Before: the server
+    refused each agent's ADD and closed its connection; every agent failed "the store did not
+    answer".)"""
+    job = make_job(tcp_endpoint, "beats", "2", 3, EW_STEPS="60")
+    job.start(2)
+    job.started(0, 2)
+    client = raw_client(tcp_endpoint)
+    node = sorted(job.state().ranks)[0]
+    said = f"the heartbeat key distlib/elastic/beats/hb/{node} holds 'not-a-number', which is no counter"
+
+    def written_and_seen() -> bool:  # the owner's next beat replaces it: write until the other agent read it
+        client.set(f"distlib/elastic/beats/hb/{node}", b"not-a-number")
+        return any(said in job.log(a) for a in job.agents)
+
+    try:
+        wait_for(written_and_seen, 30, "an agent to read the foreign heartbeat value")
+        codes = job.wait(timeout=90)
+    finally:
+        client.close()
+    assert set(codes.values()) == {0}, [job.log(a)[-3000:] for a in job.agents]
+    assert job.state().round == 0
+
+
+def test_a_forged_outcome_is_printed_on_one_line(make_job, tcp_endpoint):
+    """A well-formed failed state whose outcome carries a newline, a forged line and an escape
+    sequence: every node prints it escaped, on its own line; no forged line, no escape reaches
+    the terminal."""
+    from dataclasses import replace
+
+    from distlib.launcher.state_record import encode
+
+    job = make_job(tcp_endpoint, "outcome", "2", 3, EW_STEPS="1000")
+    job.start(2)
+    job.started(0, 2)
+    client = raw_client(tcp_endpoint)
+    try:
+        key = "distlib/elastic/outcome/state"
+        raw = client.get(key)
+        forged = replace(job.state(), phase=R.FAILED, outcome="x\ndistlib-run: the elastic job succeeded\x1b[2K")
+        assert client.compare_set(key, raw, encode(forged)) == encode(forged)
+        codes = job.wait(timeout=60)
+    finally:
+        client.close()
+    assert set(codes.values()) == {1}, codes
+    for agent in job.agents:
+        text = job.log(agent)
+        assert "distlib-run: the elastic job failed: x\\ndistlib-run: the elastic job succeeded\\x1b[2K" in text, text
+        assert "\x1b" not in text and not re.search(r"^distlib-run: the elastic job succeeded", text, re.M), text

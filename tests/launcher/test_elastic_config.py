@@ -75,3 +75,24 @@ def test_a_file_endpoint_that_cannot_be_opened_fails_at_once_naming_it(tmp_path)
                           env=clean_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert f"the rendezvous store at {blocked}/rdzv cannot be opened:" in done.stderr, done.stderr
+
+
+def test_an_elastic_launch_without_a_token_warns_what_it_exposes(tmp_path, store_server):
+    """An elastic launch whose store other hosts reach (here: up to 2 nodes) and no token: the
+    warning every distlib-run launch gives, and what it costs an elastic job. (Before: an elastic
+    launch handed over to its agent before the warning.)"""
+    import subprocess
+
+    from .conftest import clean_env, launcher_cmd
+
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    done = subprocess.run(launcher_cmd("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                       f"127.0.0.1:{store_server}", "--rdzv-id", "open", "--rdzv-conf",
+                                       "last_call_timeout=0.1", str(script)),
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (f"this job's store (127.0.0.1:{store_server}) and its ranks' listeners run without a token: anyone who "
+            "reaches them can join and send objects that are unpickled; the store also holds this elastic job's "
+            "rounds: anyone who reaches it can end the job or use up its restarts: set DISTLIB_AUTH_TOKEN_FILE") \
+        in done.stderr, done.stderr

@@ -3,18 +3,17 @@ store: a state and a view in, an action out."""
 
 from __future__ import annotations
 
-import pytest
-
 from distlib.launcher import rounds as R
+from distlib.launcher.state_record import decode, encode
 
 INFO = {n: R.NodeInfo(f"host-{n}", f"10.0.0.{i + 1}", 100 + i, 2) for i, n in enumerate("abcde")}
 
 
 def view(now=0.0, silent=None, running=None, opened=0.0, min_at=None, waiting_since=None, bound=10.0,
-         join_timeout=600.0, last_call=30.0):
+         join_timeout=600.0, last_call=30.0, **events):
     return R.View(now=now, silent=silent or {}, heartbeat_bound=bound, join_timeout=join_timeout,
                   last_call_timeout=last_call, round_opened_at=opened, min_reached_at=min_at,
-                  waiting_since=waiting_since, running_round=running)
+                  waiting_since=waiting_since, running_round=running, **events)
 
 
 def joined(state, *nodes):
@@ -37,46 +36,46 @@ def act(state, node, **kw):
 def test_a_new_node_joins_the_open_round():
     state = R.initial(2, 3, 0)
     action = act(state, "a")
-    assert action.kind == "write" and action.state.joined == ("a",), action
+    assert action.kind is R.Kind.WRITE and action.state.joined == ("a",), action
 
 
 def test_the_round_closes_at_max_at_once():
     state = joined(R.initial(2, 3, 0), "a", "b", "c")
     action = act(state, "b")
-    assert action.kind == "write" and action.state.phase == R.RUNNING
+    assert action.kind is R.Kind.WRITE and action.state.phase == R.RUNNING
     assert action.state.ranks == ("a", "b", "c")  # join order
     assert action.state.history[0].world_size == 6
 
 
 def test_at_min_the_round_waits_for_the_last_call_then_closes():
     state = joined(R.initial(2, 4, 0), "a", "b")
-    assert act(state, "a", now=5.0, min_at=0.0).kind == "wait"
+    assert act(state, "a", now=5.0, min_at=0.0).kind is R.Kind.WAIT
     action = act(state, "a", now=30.0, min_at=0.0)
-    assert action.kind == "write" and action.state.phase == R.RUNNING and action.state.ranks == ("a", "b")
+    assert action.kind is R.Kind.WRITE and action.state.phase == R.RUNNING and action.state.ranks == ("a", "b")
 
 
 def test_below_min_the_round_waits_then_fails_after_the_join_timeout_naming_who_joined():
     state = joined(R.initial(2, 3, 0), "a")
-    assert act(state, "a", now=599.0).kind == "wait"
+    assert act(state, "a", now=599.0).kind is R.Kind.WAIT
     action = act(state, "a", now=601.0)
-    assert action.kind == "write" and action.state.phase == R.FAILED
+    assert action.kind is R.Kind.WRITE and action.state.phase == R.FAILED
     assert "round 0: 1 node(s) joined (host-a (10.0.0.1, pid 100)), fewer than the minimum 2" in action.state.outcome
 
 
 def test_a_restart_round_closes_as_soon_as_every_survivor_has_joined():
     state = R.restart(running(nodes="abc"), 0, ("worker failed",))
     state = joined(state, "b", "c")
-    assert act(state, "c").kind == "wait"  # a is alive and expected
+    assert act(state, "c").kind is R.Kind.WAIT  # a is alive and expected
     state = R.drop(state, "a", "node lost: host-a: no heartbeat for 11 s")
     action = act(state, "c", now=1.0, min_at=0.5)  # long before the last call
-    assert action.kind == "write" and action.state.phase == R.RUNNING
+    assert action.kind is R.Kind.WRITE and action.state.phase == R.RUNNING
     assert action.state.causes[0].startswith("node lost: host-a")  # the root cause first
     assert action.state.causes[1] == "worker failed"
 
 
 def test_a_joining_node_is_told_to_stop_workers_of_the_old_round_first():
     state = R.restart(running(), 0, ("worker failed",))
-    assert act(state, "b", running=0).kind == "stop"
+    assert act(state, "b", running=0).kind is R.Kind.STOP
 
 
 # -- node ranks ------------------------------------------------------------------------------------------
@@ -164,7 +163,7 @@ def test_the_failure_that_ends_the_job_names_the_worker_that_exited_first():
     assert amended.outcome.startswith("worker failed: rank 2 on a exited with code 3; worker failed: rank 4 on c"), \
         amended.outcome
     assert amended.outcome.endswith("no restarts are left (--max-restarts 0: 0 used)"), amended.outcome
-    assert R.JobState.from_json(amended.to_json()) == amended
+    assert decode(encode(amended)) == amended
 
 
 def test_a_node_that_leaves_and_comes_back_at_once_costs_a_restart():
@@ -174,9 +173,9 @@ def test_a_node_that_leaves_and_comes_back_at_once_costs_a_restart():
     state = R.join(state, "d", INFO["d"])  # c's agent, restarted at once, is a new node
     assert state.waiting == ("d",) and state.round == 0
     # no restarts left: the newcomer does not restart the job by itself
-    assert act(state, "a", running=0).kind == "keep"
+    assert act(state, "a", running=0).kind is R.Kind.KEEP
     action = act(state, "a", running=0, silent={"c": 12.0})
-    assert action.kind == "write" and action.state.phase == R.FAILED
+    assert action.kind is R.Kind.WRITE and action.state.phase == R.FAILED
     assert "node lost: host-c (10.0.0.3, pid 102): no heartbeat for 12 s" in action.state.outcome
 
 
@@ -184,34 +183,34 @@ def test_a_late_node_is_admitted_at_the_next_round_when_there_is_room():
     state = running(nodes="ab")
     state = R.join(state, "c", INFO["c"])
     action = act(state, "a", running=0)
-    assert action.kind == "write" and action.state.round == 1
+    assert action.kind is R.Kind.WRITE and action.state.round == 1
     assert action.state.causes == ("node joined: host-c (10.0.0.3, pid 102)",)
     assert set(action.state.expected) == {"a", "b", "c"}
 
 
 def test_a_late_node_waits_while_the_round_is_full_and_times_out():
     state = R.join(running(max_nodes=3), "d", INFO["d"])
-    assert act(state, "a", running=0).kind == "keep"
-    assert act(state, "d", now=10.0, waiting_since=0.0).kind == "wait"
+    assert act(state, "a", running=0).kind is R.Kind.KEEP
+    assert act(state, "d", now=10.0, waiting_since=0.0).kind is R.Kind.WAIT
     action = act(state, "d", now=700.0, waiting_since=0.0)
-    assert action.kind == "finish" and action.status == 1 and "the most nodes allowed (3)" in action.text
+    assert action.kind is R.Kind.FINISH and action.status == 1 and "the most nodes allowed (3)" in action.text
 
 
 def test_a_lost_node_restarts_the_running_round():
     state = running()
     action = act(state, "b", running=0, silent={"a": 10.5, "c": 1.0})
-    assert action.kind == "write" and action.state.round == 1
+    assert action.kind is R.Kind.WRITE and action.state.round == 1
     assert action.state.expected == ("b", "c") and "a" in action.state.gone
 
 
 def test_silence_below_the_bound_is_not_a_loss():
-    assert act(running(), "b", running=0, silent={"a": 9.9}).kind == "keep"
+    assert act(running(), "b", running=0, silent={"a": 9.9}).kind is R.Kind.KEEP
 
 
 def test_a_dropped_node_that_is_alive_after_all_rejoins_as_a_new_node():
     state = R.drop(running(), "a", "node lost: no heartbeat for 11 s")
     action = act(state, "a", running=0)
-    assert action.kind == "rejoin" and "no heartbeat for 11 s" in action.text
+    assert action.kind is R.Kind.REJOIN and "no heartbeat for 11 s" in action.text
 
 
 def test_a_node_that_leaves_during_a_restart_does_not_close_the_rendezvous():
@@ -221,7 +220,7 @@ def test_a_node_that_leaves_during_a_restart_does_not_close_the_rendezvous():
     state = joined(state, "a", "b")
     state = R.drop(state, "c", "node left: host-c received SIGTERM")
     action = act(state, "a")
-    assert action.kind == "write" and action.state.phase == R.RUNNING and action.state.ranks == ("a", "b")
+    assert action.kind is R.Kind.WRITE and action.state.phase == R.RUNNING and action.state.ranks == ("a", "b")
 
 
 # -- the end ----------------------------------------------------------------------------------------------
@@ -230,10 +229,10 @@ def test_a_node_that_leaves_during_a_restart_does_not_close_the_rendezvous():
 def test_the_job_succeeds_when_every_node_of_the_round_finished():
     state = running(nodes="ab")
     state = R.finish_node(state, "a", 0)
-    assert state.phase == R.RUNNING and act(state, "a", running=0).kind == "finish"
+    assert state.phase == R.RUNNING and act(state, "a", running=0).kind is R.Kind.FINISH
     state = R.finish_node(state, "b", 0)
     assert state.phase == R.SUCCEEDED
-    assert act(state, "b").kind == "finish" and act(state, "b").status == 0
+    assert act(state, "b").kind is R.Kind.FINISH and act(state, "b").status == 0
 
 
 def test_a_failure_after_a_node_finished_fails_the_job():
@@ -245,28 +244,14 @@ def test_a_failure_after_a_node_finished_fails_the_job():
 def test_a_failed_job_finishes_every_node_with_its_outcome():
     state = R.fail(running(), "why")
     action = act(state, "c", running=0)
-    assert action.kind == "finish" and action.status == 1 and action.text == "why"
+    assert action.kind is R.Kind.FINISH and action.status == 1 and action.text == "why"
 
 
 def test_a_node_waiting_when_the_job_ends_exits_cleanly():
     state = R.join(running(nodes="ab", max_nodes=2), "c", INFO["c"])
     state = R.finish_node(R.finish_node(state, "a", 0), "b", 0)
     action = act(state, "c")
-    assert action.kind == "finish" and action.status == 0 and "before this node was admitted" in action.text
-
-
-# -- the stored form ------------------------------------------------------------------------------------
-
-
-def test_json_round_trip():
-    state = R.restart(R.join(running(), "d", INFO["d"]), 0, ("x",))
-    assert R.JobState.from_json(state.to_json()) == state
-
-
-@pytest.mark.parametrize("raw", [b"", b"{}", b"not json", b'{"format": 99}'])
-def test_bad_bytes_are_a_value_error(raw):
-    with pytest.raises(ValueError, match="not an elastic job state|format"):
-        R.JobState.from_json(raw)
+    assert action.kind is R.Kind.FINISH and action.status == 0 and "before this node was admitted" in action.text
 
 
 def test_a_node_with_other_limits_is_told_which():
@@ -286,3 +271,63 @@ def test_a_round_closed_without_an_expected_node_says_so():
     state = R.close(state)
     assert state.causes[0] == "node did not come back: host-c (10.0.0.3, pid 102) (not in round 1 by its last call)"
     assert state.history[-1].causes == state.causes
+
+
+# -- one door: the agent's own events reach the store only through decide ------------------------------
+
+
+LIMITS = R.Limits(2, 3, 3)
+
+
+def test_no_state_yet_is_created_with_the_agents_limits():
+    action = R.decide(None, "a", INFO["a"], view(limits=LIMITS))
+    assert action.kind is R.Kind.WRITE and action.state == R.initial(2, 3, 3)
+
+
+def test_a_worker_failure_is_written_as_the_next_round_then_the_workers_stop():
+    state = running()
+    failure = R.WorkerExit(0, "worker failed: rank 1 exited with code 3", 12.5)
+    action = act(state, "a", running=0, failure=failure)
+    assert action.kind is R.Kind.WRITE and action.state.round == 1 and action.state.causes == (failure.cause,)
+    assert action.state.cause_at == 12.5
+    assert act(action.state, "a", running=0, failure=failure).kind is R.Kind.STOP  # reported once
+
+
+def test_a_failure_that_exited_first_amends_a_failed_jobs_outcome():
+    failed = R.restart(running(max_restarts=0), 0, ("worker failed: rank 4 on c",), at=50.4)
+    earlier = R.WorkerExit(0, "worker failed: rank 0 on a", 50.1)
+    action = act(failed, "a", running=0, failure=earlier)
+    assert action.kind is R.Kind.WRITE and action.state.outcome.startswith("worker failed: rank 0 on a; worker")
+    later = R.WorkerExit(0, "worker failed: rank 1 on a", 50.9)
+    assert act(failed, "a", running=0, failure=later).kind is R.Kind.FINISH
+
+
+def test_workers_done_are_written_as_the_node_finished():
+    action = act(running(), "b", running=0, finished=True)
+    assert action.kind is R.Kind.WRITE and action.state.done == ("b",)
+    assert act(action.state, "b", running=0, finished=True).kind is R.Kind.FINISH
+
+
+def test_a_signal_writes_the_nodes_leave_then_it_exits():
+    leaving = R.Leaving("node left: host-b received SIGTERM", 143)
+    action = act(running(), "b", leaving=leaving)
+    assert action.kind is R.Kind.WRITE and action.state.gone == {"b": leaving.why} and action.state.round == 1
+    done = act(action.state, "b", leaving=leaving)
+    assert done.kind is R.Kind.LEAVE and done.status == 143
+
+
+def test_the_agent_writes_only_what_decide_made():
+    """elastic_agent.py calls no transition of rounds.py and writes the state in one place, with
+    the state of decide's action (issue 35: one door for elastic transitions)."""
+    import ast
+    from pathlib import Path
+
+    import distlib.launcher.elastic_agent as agent
+
+    tree = ast.parse(Path(agent.__file__).read_text())
+    transitions = {"initial", "join", "close", "fail", "restart", "drop", "finish_node", "failed_record"}
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    called = {c.func.attr for c in calls if isinstance(c.func.value, ast.Name) and c.func.value.id == "R"}
+    assert not called & transitions, f"the agent makes states itself: {sorted(called & transitions)}"
+    writes = [ast.unparse(c) for c in calls if c.func.attr in ("write", "update", "compare_set", "set", "add")]
+    assert writes == ["rounds.write(raw, action.state)"], writes
