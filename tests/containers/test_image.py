@@ -343,7 +343,10 @@ def test_the_offline_step_lays_out_a_context_shaped_like_the_repository(image):
     assert done.stdout == ""  # logs on stderr only
     context = REPO_ROOT / ".build" / "image-context"
     wheels = context / "docker" / "offline" / "wheels"
-    assert (wheels / "app" / "requirements.txt").read_text().strip() == f"distlib_c10d=={repo_version()}"
+    deploy_version = re.search(r'^version = "([^"]+)"', (REPO_ROOT / "deploy" / "pyproject.toml").read_text(),
+                               re.M).group(1)
+    assert set((wheels / "app" / "requirements.txt").read_text().split()) == {
+        f"distlib_c10d=={repo_version()}", f"distlib_c10d_deploy=={deploy_version}"}
     deps = (wheels / "deps" / "requirements.txt").read_text().split()
     assert any(d.startswith("numpy==") for d in deps), deps
     for rel, digest in working_tree_sources().items():
