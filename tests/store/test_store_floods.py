@@ -217,7 +217,7 @@ def test_connections_over_the_limit_per_address_are_refused_and_named_once(caplo
                "(--max-connections-per-host 3)" in lines[0]
         clients.pop().close()
         deadline = time.monotonic() + 5
-        while srv._hosts.get("127.0.0.1", 0) > 2:
+        while srv.intake.admitted_from("127.0.0.1") > 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         again = TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5), security=StoreSecurity())
@@ -295,8 +295,8 @@ def test_refusals_of_several_addresses_are_counted_apart(caplog, monkeypatch):
                     sock.sendall(b"\0" * 64)
                     recv_exact(sock, 1)
         deadline = time.monotonic() + 5
-        while len(srv.refusals.totals) < 2 or sum(n for n, _ in srv.refusals.totals.values()) < 6:
-            assert time.monotonic() < deadline, srv.refusals.totals
+        while len(srv.intake.refusals.totals) < 2 or sum(n for n, _ in srv.intake.refusals.totals.values()) < 6:
+            assert time.monotonic() < deadline, srv.intake.refusals.totals
             time.sleep(0.01)
         firsts = [r.getMessage() for r in caplog.records if "further refusals" in r.getMessage()]
         assert len(firsts) == 2, firsts
