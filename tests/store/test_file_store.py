@@ -559,7 +559,7 @@ from distlib.store.file import FileStore
 file_io.RENEW_S = 2.0  # renews 2 s after joining: after the parent's first look, before its second
 s = FileStore(sys.argv[1], 2)
 s.set("from-live-user", "1")
-fcntl.flock(s._log.liveness.fd, fcntl.LOCK_UN)  # as an NFS server restart does, unseen
+fcntl.flock(s._log.log.liveness.fd, fcntl.LOCK_UN)  # as an NFS server restart does, unseen
 print("ready", flush=True)
 s.wait(["go"], __import__("datetime").timedelta(seconds=60))
 print(s.get("go").decode(), flush=True)
