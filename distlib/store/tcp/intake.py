@@ -21,9 +21,15 @@ that came in (with the bytes that followed VALIDATE). Nothing here runs per requ
   kernel's cost per request is about a third of TCP loopback's. Peers of another user are
   refused at accept. ``DISTLIB_STORE_UNIX=0`` turns it off.
 * **Limits on connections** (budget.ClientLimits): admitted connections in all
-  (``max_connections``) and per peer address (``max_connections_per_host``), and connections
-  on their way in per address (MAX_ADMITTING_PER_HOST). A connection over one is closed at
-  accept, before anything of it is read (and checked again when it is admitted).
+  (``max_connections``) and per peer address (``max_connections_per_host``). A connection
+  over one is closed at accept, before anything of it is read (and checked again when it is
+  admitted).
+* **Strangers make room** (strangers.py): connections that have proven nothing yet (the
+  token's response; VALIDATE on a store without a token) have a budget of their own, per
+  address and in all, and must prove themselves within ``admission.ANSWER_TIMEOUT_S`` of the
+  accept. At the budget's cap (or at ``max_connections``) the oldest stranger is closed to
+  make room for the newest, so half-open connections cannot lock a client with the token
+  out.
 * **The log names each refusal once per address per interval** (distlib/refusals.py): a
   connection refused, timed out on its way in, or closed for what it sent is logged in full
   the first time its address does it, then counted, one line per interval; so a peer that
@@ -54,6 +60,7 @@ from .admission import ADMITTED, WANT_WRITE, Admission, Refused
 from .budget import ClientLimits, MemoryBudget
 from .connection import CONN_EVENTS, EPOLLIN, EPOLLOUT, IOV_MAX, Connection
 from .state import KeyValueState
+from .strangers import Strangers
 from .tls_handshakes import TlsHandshakes
 
 log = logging.getLogger("distlib.store.tcp.server")
@@ -62,10 +69,6 @@ log = logging.getLogger("distlib.store.tcp.server")
 ACCEPT_PAUSE_S = 0.5
 #: ... and log it at most this often.
 EMFILE_LOG_INTERVAL_S = 10.0
-#: Connections of one address on their way in (TLS, the token, VALIDATE) at once: a node's
-#: ranks connecting together are admitted in a round trip or two; past this, a peer is opening
-#: connections faster than it finishes them.
-MAX_ADMITTING_PER_HOST = 512
 #: Connections accepted per loop turn at most: a flood of connections waits in the backlog
 #: between turns, and the requests of clients already in run in between.
 ACCEPTS_PER_TURN = 128
@@ -93,7 +96,7 @@ class Intake:
     def __init__(self, ep, listener: socket.socket, local_listener: Optional[socket.socket],
                  admission_: Admission, client_limits: ClientLimits, state: KeyValueState, budget: MemoryBudget,
                  answered: List[Connection], on_admitted: Callable[[Connection, bytes], None],
-                 log_connections: bool = False):
+                 log_connections: bool = False, strangers: Optional[Strangers[Connection]] = None):
         self.ep = ep
         self.listener = listener
         self.local_listener = local_listener
@@ -111,8 +114,11 @@ class Intake:
         self.conns: Dict[int, Connection] = {}  # admitted, by fd
         self.admitting: Dict[int, Connection] = {}  # accepted, not admitted yet (admission.py)
         self._hosts: Dict[str, int] = {}  # peer address -> its admitted connections
-        self._admitting_hosts: Dict[str, int] = {}  # peer address -> its connections on their way in
         self._admission_order: Deque[Connection] = collections.deque()  # by deadline
+        #: Connections on their way in that have proven nothing yet, and their budget.
+        self.strangers: Strangers[Connection] = strangers if strangers is not None else Strangers()
+        #: Strangers handed to the TLS thread to be refused, and why (it may finish them first).
+        self._dropped: Dict[Connection, Refused] = {}
         #: Refusals and closes for what a client sent, logged once per address per interval.
         self.refusals = RefusalLog(log)
         #: With ``log_connections``: clients' connections and disconnections, the same way.
@@ -156,9 +162,9 @@ class Intake:
         """Admitted connections of ``host`` (an address, without the port)."""
         return self._hosts.get(host, 0)
 
-    def on_the_way_in_from(self, host: str) -> int:
-        """Connections of ``host`` on their way in (accepted, not admitted)."""
-        return self._admitting_hosts.get(host, 0)
+    def strangers_from(self, host: str) -> int:
+        """Connections of ``host`` on their way in that have proven nothing yet."""
+        return self.strangers.of(host)
 
     def accept(self, fd: int) -> None:
         """The listening socket ``fd`` is readable: accept what waits (ACCEPTS_PER_TURN at most)."""
@@ -198,14 +204,17 @@ class Intake:
                 self._log_refusal(host, f"closed connection of client {peer}: {refusal}", refusal)
                 sock.close()
                 continue
+            self._make_room(host)
             conn = Connection(sock, peer, host)
             self.admitting[conn.fd] = conn
-            _count(self._admitting_hosts, host, 1)
-            deadline = time.monotonic() + admission.TIMEOUT_S
-            self.admission.open(conn, local, deadline)
+            self.admission.open(conn, local, time.monotonic())
             self._admission_order.append(conn)
-            if self.due is None or deadline < self.due:
-                self.due = deadline
+            self.strangers.add(conn)
+            gate = conn.gate
+            assert gate is not None  # (admission.open set it)
+            first = min(gate.deadline, gate.answer_by)
+            if self.due is None or first < self.due:
+                self.due = first
             if tls_handshakes is not None and self.admission.needs_tls(conn):
                 conn.handshaking = True
                 tls_handshakes.submit(conn)
@@ -218,11 +227,7 @@ class Intake:
         """Why a connection from ``host`` must be refused now (None: it may come in or stay)."""
         limits = self.client_limits
         if not admitted:
-            on_the_way = self._admitting_hosts.get(host, 0)
-            if on_the_way >= MAX_ADMITTING_PER_HOST:
-                return (f"refused: {on_the_way} connections from {host} are already on their way in (TLS, "
-                        f"authentication, VALIDATE), the most one address may have at once")
-            if len(self.conns) + len(self.admitting) >= limits.max_connections:
+            if len(self.conns) + len(self.admitting) >= limits.max_connections and not self.strangers:
                 return (f"refused: the server has {len(self.conns) + len(self.admitting)} connections, its limit "
                         f"(--max-connections {limits.max_connections})")
         elif len(self.conns) >= limits.max_connections:
@@ -233,6 +238,39 @@ class Intake:
                     f"(--max-connections-per-host {limits.max_connections_per_host})")
         return None
 
+    def _make_room(self, host: str) -> None:
+        """A connection of ``host`` is coming in: close the oldest strangers if the budget of
+        strangers (strangers.py) or ``max_connections`` has no room for it."""
+        strangers = self.strangers
+        for old in strangers.make_room(host):
+            if old.host == host and strangers.of(host) + 1 >= strangers.per_host:
+                why = (f"{strangers.per_host} connections of {host} had proven nothing yet, the most one address "
+                       f"may have at once")
+            else:
+                why = f"{strangers.total} connections had proven nothing yet, the most the server holds at once"
+            self._refuse_stranger(old, f"refused: made room for a newer connection: "
+                                       f"{self.admission.unproven(old)} had not come, and {why} (the oldest goes)")
+        limit = self.client_limits.max_connections
+        while len(self.conns) + len(self.admitting) - len(self._dropped) >= limit:
+            oldest = strangers.oldest()
+            if oldest is None:
+                break
+            strangers.remove(oldest)
+            self._refuse_stranger(oldest, f"refused: made room for a newer connection: "
+                                          f"{self.admission.unproven(oldest)} had not come, and the server has "
+                                          f"{limit} connections, its limit (--max-connections {limit}) (the oldest "
+                                          f"that proved nothing goes)")
+
+    def _refuse_stranger(self, conn: Connection, reason: str) -> None:
+        """Close a stranger (already out of ``strangers``); one in its TLS handshake is handed
+        back by the handshake thread first (it owns the socket until then)."""
+        if conn.handshaking and self.tls_handshakes is not None:
+            refusal = Refused(reason)
+            self._dropped[conn] = refusal
+            self.tls_handshakes.drop(conn, refusal)
+        else:
+            self.close(conn, reason)
+
     def handshakes_done(self) -> None:
         """Connections the TLS handshake thread handed back: refused ones are closed; the
         others go on to the token or VALIDATE, on the loop."""
@@ -240,8 +278,11 @@ class Intake:
         while finished:
             conn, refusal = finished.popleft()
             conn.handshaking = False
+            dropped = self._dropped.pop(conn, None)
             if conn.closed:
                 continue
+            if refusal is None:
+                refusal = dropped  # (its handshake ended before the thread saw the drop)
             if refusal is None and conn.gate.deadline <= time.monotonic():
                 refusal = Refused(f"refused: did not complete the TLS handshake within {admission.TIMEOUT_S:g} s "
                                   f"of connecting")
@@ -268,7 +309,10 @@ class Intake:
             self.ep.modify(conn.fd, CONN_EVENTS | EPOLLOUT)
             return
         if outcome != ADMITTED:
+            if not self.admission.is_stranger(conn):
+                self.strangers.remove(conn)  # it proved the token
             return
+        self.strangers.remove(conn)
         refusal = self._over_limit(conn.host, admitted=True)
         if refusal is not None:
             self.close(conn, refusal)
@@ -276,7 +320,6 @@ class Intake:
         leftover = conn.gate.got
         conn.gate = None
         del self.admitting[conn.fd]
-        _count(self._admitting_hosts, conn.host, -1)
         _count(self._hosts, conn.host, 1)
         conn.validated = True
         self.conns[conn.fd] = conn
@@ -305,6 +348,9 @@ class Intake:
                 continue  # the handshake thread refuses it at this deadline (tls_handshakes.py)
             self.close(conn, f"refused: did not complete {self.admission.step_name(conn)} within "
                              f"{admission.TIMEOUT_S:g} s of connecting")
+        for conn in self.strangers.overdue(now):
+            self._refuse_stranger(conn, f"refused: {self.admission.unproven(conn)} did not come within "
+                                        f"{admission.ANSWER_TIMEOUT_S:g} s of connecting")
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             for fd in self.listeners:
@@ -312,8 +358,9 @@ class Intake:
         for counts in (self.refusals, self.connection_log):
             if counts.due is not None and now >= counts.due:
                 counts.flush()
-        due = [t for t in (order[0].gate.deadline if order else None, self._accept_paused_until or None,
-                           self.refusals.due, self.connection_log.due) if t is not None]
+        due = [t for t in (order[0].gate.deadline if order else None, self.strangers.next_due(),
+                           self._accept_paused_until or None, self.refusals.due, self.connection_log.due)
+               if t is not None]
         self.due = min(due) if due else None
 
     def _log_refusal(self, host: str, text: str, reason: str, level: int = logging.WARNING,
@@ -369,7 +416,8 @@ class Intake:
         if self.conns.pop(conn.fd, None) is not None:
             _count(self._hosts, conn.host, -1)
         elif self.admitting.pop(conn.fd, None) is not None:
-            _count(self._admitting_hosts, conn.host, -1)
+            self.strangers.remove(conn)
+            self._dropped.pop(conn, None)
         self.budget.discharge(conn)
         try:
             self.ep.unregister(conn.fd)
