@@ -76,14 +76,17 @@ class _Shared:
     clones), so correctness inside one process never depends on how a file system implements
     flock() between open files of the same process (NFS emulates it with POSIX locks).
     ``live`` lets a new FileStore skip the stale-file check when this process already uses
-    the file (it is live by definition).
+    the file (it is live by definition). ``users`` counts the LogFiles that hold this record:
+    the last to let go (``_let_go``) removes it from ``_SHARED``, so a process that opens and
+    closes stores on ever new paths does not keep a record per path (issue 37).
     """
 
-    __slots__ = ("mutex", "live")
+    __slots__ = ("mutex", "live", "users")
 
     def __init__(self) -> None:
         self.mutex = threading.Lock()
         self.live = 0
+        self.users = 0
 
 
 _SHARED: Dict[str, _Shared] = {}
@@ -95,7 +98,15 @@ def _shared_for(real_path: str) -> _Shared:
         shared = _SHARED.get(real_path)
         if shared is None:
             shared = _SHARED[real_path] = _Shared()
+        shared.users += 1
         return shared
+
+
+def _let_go(real_path: str, shared: _Shared) -> None:
+    with _SHARED_GUARD:
+        shared.users -= 1
+        if shared.users <= 0 and _SHARED.get(real_path) is shared:
+            del _SHARED[real_path]
 
 
 def _after_fork_in_child() -> None:
@@ -142,6 +153,8 @@ class LogFile:
         "chunk",
         "lock_wait_s",
         "nofollow",
+        "real_path",
+        "holds_shared",
     )
 
     def __init__(self, path: str, world_size: int, lock_wait_s: float) -> None:
@@ -151,7 +164,9 @@ class LogFile:
         self.cache: Dict[bytes, bytes] = {}
         self.offset = 0
         self.tail = b""  # the last _TAIL bytes before offset
+        self.real_path = real
         self.shared = _shared_for(real)
+        self.holds_shared = True  # counted in shared.users until let_go()
         self.liveness = Liveness(path, real, self.shared)
         self.identity: Tuple[int, int] = (0, 0)
         self.pid = os.getpid()
@@ -182,6 +197,13 @@ class LogFile:
             return None
         except OSError as exc:
             raise os_error(exc, self.path, "closing: " + _OPENING[_RW_FLAGS]) from exc
+
+    def let_go(self) -> None:
+        """This view of the file is done with (closed, or its join failed): the process's
+        record of the file (its mutex) goes with the last view that holds it. Twice: nothing."""
+        if self.holds_shared:
+            self.holds_shared = False
+            _let_go(self.real_path, self.shared)
 
     def forget(self) -> None:
         """Drop what was read of the file: the next read starts at its first byte."""

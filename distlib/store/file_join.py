@@ -114,19 +114,24 @@ class JoinedFile:
         are serialised: the stale check and the refcount see a settled file.
         """
         lf = self.log
-        lf.nofollow = check_store_path(lf.path)  # warnings (once), O_NOFOLLOW in a world-writable directory
         try:
-            self._join_once(settled=False)
-        except StaleSuspected as suspected:
-            log.warning(
-                "FileStore %s: its side file counts %d user(s) but none holds the liveness lock: "
-                "a crashed run, or live users on NFS whose locks a server restart took; looking "
-                "again in %s, after live users have renewed their locks",
-                lf.path, suspected.users, format_duration(SETTLE_S),
-            )
-            time.sleep(SETTLE_S)
-            lf.forget()  # nothing was joined: read the file afresh
-            self._join_once(settled=True)
+            lf.nofollow = check_store_path(lf.path)  # warnings (once), O_NOFOLLOW in a world-writable directory
+            try:
+                self._join_once(settled=False)
+            except StaleSuspected as suspected:
+                log.warning(
+                    "FileStore %s: its side file counts %d user(s) but none holds the liveness lock: "
+                    "a crashed run, or live users on NFS whose locks a server restart took; looking "
+                    "again in %s, after live users have renewed their locks",
+                    lf.path, suspected.users, format_duration(SETTLE_S),
+                )
+                time.sleep(SETTLE_S)
+                lf.forget()  # nothing was joined: read the file afresh
+                self._join_once(settled=True)
+        except BaseException:
+            lf.closed = True
+            lf.let_go()  # the store was never made: its record of the file goes with it
+            raise
         log.debug("joined %s (refcount now %s)", lf.path, lf.cache.get(_REFCOUNT))
 
     def _join_once(self, settled: bool) -> None:
@@ -223,13 +228,17 @@ class JoinedFile:
         if os.getpid() != lf.pid:
             # A forked copy: the parent owns this user (and the shared liveness lock).
             lf.liveness.forget_in_fork()
+            lf.let_go()
             return
-        with lf.shared.mutex:
-            try:
-                if os.path.exists(lf.path):  # torch: a file already gone means nothing to do
-                    self._close_locked()
-            finally:
-                lf.liveness.release()
+        try:
+            with lf.shared.mutex:
+                try:
+                    if os.path.exists(lf.path):  # torch: a file already gone means nothing to do
+                        self._close_locked()
+                finally:
+                    lf.liveness.release()
+        finally:
+            lf.let_go()
 
     def _close_locked(self) -> None:
         lf = self.log
