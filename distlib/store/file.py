@@ -8,7 +8,8 @@ Store API over it; the parts live beside it:
 * ``file_io.py`` — ``LogFile``: one FileStore's view of the file (cache, offset) and every
   operation's open/flock/read/append/unlock cycle;
 * ``file_join.py`` — ``JoinedFile``: joining (the constructor) and closing (the destructor),
-  with torch's refcount and cleanup rules;
+  with torch's refcount and cleanup rules, over a ``LogFile``'s public methods; the object
+  this store talks to (it passes the operations on to its LogFile);
 * ``file_locks.py`` — ``flock`` with a deadline, and the error for a file system that
   cannot lock;
 * ``file_mounts.py`` — the mount-table check for NFS/Lustre mounts with host-local locks;
@@ -136,7 +137,7 @@ class FileStore(Store):
 
     def clone(self) -> "FileStore":
         """A new FileStore on the same file (refcount + 1), with this store's timeout."""
-        self._log._ensure_open()
+        self._log.ensure_open()
         other = FileStore(self._log.path, self._log.world_size)
         other.set_timeout(self._timeout_s)
         return other

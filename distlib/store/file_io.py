@@ -8,7 +8,9 @@ EOF, appends at most one record per change, unlocks and closes (docs/wire-protoc
 ``read()`` returns nothing, under the lock.
 
 Joining and closing (torch's refcount and cleanup records, the liveness side file) are
-``file_join.py``'s ``JoinedFile``, a LogFile with a constructor and a destructor.
+``file_join.py``'s ``JoinedFile``, which holds a LogFile and uses its public methods only
+(``open_for_join``, ``open_for_close``, ``catch_up``, ``add_in_cycle``, ``count_records``,
+``forget``; each says what the caller must hold).
 
 Damage is named, never misread: under the lock no writer is mid-record, so bytes that do not
 form a whole record are reported with their byte offset; a file truncated, replaced or
@@ -74,14 +76,17 @@ class _Shared:
     clones), so correctness inside one process never depends on how a file system implements
     flock() between open files of the same process (NFS emulates it with POSIX locks).
     ``live`` lets a new FileStore skip the stale-file check when this process already uses
-    the file (it is live by definition).
+    the file (it is live by definition). ``users`` counts the LogFiles that hold this record:
+    the last to let go (``_let_go``) removes it from ``_SHARED``, so a process that opens and
+    closes stores on ever new paths does not keep a record per path (issue 37).
     """
 
-    __slots__ = ("mutex", "live")
+    __slots__ = ("mutex", "live", "users")
 
     def __init__(self) -> None:
         self.mutex = threading.Lock()
         self.live = 0
+        self.users = 0
 
 
 _SHARED: Dict[str, _Shared] = {}
@@ -93,7 +98,15 @@ def _shared_for(real_path: str) -> _Shared:
         shared = _SHARED.get(real_path)
         if shared is None:
             shared = _SHARED[real_path] = _Shared()
+        shared.users += 1
         return shared
+
+
+def _let_go(real_path: str, shared: _Shared) -> None:
+    with _SHARED_GUARD:
+        shared.users -= 1
+        if shared.users <= 0 and _SHARED.get(real_path) is shared:
+            del _SHARED[real_path]
 
 
 def _after_fork_in_child() -> None:
@@ -116,10 +129,14 @@ if hasattr(os, "register_at_fork"):
 
 
 class LogFile:
-    """Everything a FileStore needs to operate and to close.
+    """One FileStore's view of the store file (cache, offset, liveness lock) and its operations.
 
     Kept apart from the FileStore object so that ``weakref.finalize`` can close it when the
     FileStore is garbage collected (a finalizer must not hold the object it finalizes).
+
+    The join (file_join.py) sets three attributes: ``nofollow`` before the first open,
+    ``identity`` (the joined file's device and inode) once the file is locked, and ``closed``.
+    ``shared.mutex`` is the process's lock on the file, held around every cycle.
     """
 
     __slots__ = (
@@ -136,6 +153,8 @@ class LogFile:
         "chunk",
         "lock_wait_s",
         "nofollow",
+        "real_path",
+        "holds_shared",
     )
 
     def __init__(self, path: str, world_size: int, lock_wait_s: float) -> None:
@@ -145,7 +164,9 @@ class LogFile:
         self.cache: Dict[bytes, bytes] = {}
         self.offset = 0
         self.tail = b""  # the last _TAIL bytes before offset
+        self.real_path = real
         self.shared = _shared_for(real)
+        self.holds_shared = True  # counted in shared.users until let_go()
         self.liveness = Liveness(path, real, self.shared)
         self.identity: Tuple[int, int] = (0, 0)
         self.pid = os.getpid()
@@ -163,6 +184,49 @@ class LogFile:
             return os.open(self.path, flags | self.nofollow, _FILE_MODE)
         except OSError as exc:
             raise self._open_error(exc, flags) from None
+
+    def open_for_join(self) -> int:
+        """Open the path for writing, creating the file if it is missing (no lock yet)."""
+        return self._open(_WR_FLAGS)
+
+    def open_for_close(self) -> Optional[int]:
+        """Open the path for writing, not creating it: None when the file is gone (no lock)."""
+        try:
+            return os.open(self.path, _RW_FLAGS | self.nofollow)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise os_error(exc, self.path, "closing: " + _OPENING[_RW_FLAGS]) from exc
+
+    def let_go(self) -> None:
+        """This view of the file is done with (closed, or its join failed): the process's
+        record of the file (its mutex) goes with the last view that holds it. Twice: nothing."""
+        if self.holds_shared:
+            self.holds_shared = False
+            _let_go(self.real_path, self.shared)
+
+    def forget(self) -> None:
+        """Drop what was read of the file: the next read starts at its first byte."""
+        self.cache.clear()
+        self.offset, self.tail = 0, b""
+
+    def count_records(self, fd: int) -> int:
+        """The records before ``offset`` in the file ``fd`` (the caller holds its lock and has
+        caught up), counted in bounded reads: the file may be big. Raises OSError."""
+        records = 0
+        at = 0
+        while at < self.offset:
+            image = os.pread(fd, min(self.offset - at, _READ_MAX), at)
+            if not image:
+                break
+            whole = file_log.record_end(image)
+            if whole:
+                records += sum(1 for _ in file_log.iter_records(image[:whole]))
+                at += whole
+            else:  # one record longer than a read: skip it by its header
+                records += 1
+                at += file_log.record_need(image, 0)
+        return records
 
     def _open_error(self, exc: OSError, flags: int) -> DistStoreError:
         if isinstance(exc, FileNotFoundError):
@@ -198,7 +262,7 @@ class LogFile:
             fd = os.open(self.path, flags | self.nofollow, _FILE_MODE)
         except OSError as exc:
             raise self._open_error(exc, flags) from None
-        try:  # _catch_up, inlined: this is every operation's read
+        try:  # catch_up, inlined: this is every operation's read
             lock(fd, op, self.path, self.lock_wait_s)
             tail = self.tail
             data = os.pread(fd, len(tail) + self.chunk, self.offset - len(tail))
@@ -211,8 +275,8 @@ class LogFile:
             raise
         return fd
 
-    def _catch_up(self, fd: int) -> None:
-        """Apply the records after ``offset`` (caller holds the lock).
+    def catch_up(self, fd: int) -> None:
+        """Apply the records after ``offset`` (caller holds the process mutex and the file's lock).
 
         The read starts ``len(tail)`` bytes early: getting back exactly ``tail`` (the common
         case) means nothing new; fewer bytes, or other ones, mean the file shrank or was
@@ -386,7 +450,8 @@ class LogFile:
 
     # -- operations (each: one open/lock/read/[write]/unlock/close cycle) ------------------------
 
-    def _ensure_open(self) -> None:
+    def ensure_open(self) -> None:
+        """Raise when this FileStore is closed."""
         if self.closed:
             raise DistStoreError(f"FileStore {self.path} is closed")
 
@@ -397,14 +462,14 @@ class LogFile:
     def lookup(self, fkey: bytes) -> Optional[bytes]:
         """The current value of ``fkey`` (None when absent), read and looked up atomically."""
         if self.closed:
-            self._ensure_open()
+            self.ensure_open()
         with self.shared.mutex:
             self._refresh_locked()
             return self.cache.get(fkey)
 
     def has_all(self, fkeys: List[bytes]) -> bool:
         if self.closed:
-            self._ensure_open()
+            self.ensure_open()
         with self.shared.mutex:
             self._refresh_locked()
             cache = self.cache
@@ -416,7 +481,7 @@ class LogFile:
     def has_user_keys(self, keys: List[str]) -> bool:
         """``has_all`` for user keys, encoding them only as far as needed (check's hot path)."""
         if self.closed:
-            self._ensure_open()
+            self.ensure_open()
         with self.shared.mutex:
             self._refresh_locked()
             cache = self.cache
@@ -428,14 +493,14 @@ class LogFile:
     def snapshot(self) -> List[bytes]:
         """The live file keys, oldest first (a copy, safe against other threads)."""
         if self.closed:
-            self._ensure_open()
+            self.ensure_open()
         with self.shared.mutex:
             self._refresh_locked()
             return list(self.cache)
 
     def set(self, fkey: bytes, value: bytes) -> None:
         if self.closed:
-            self._ensure_open()
+            self.ensure_open()
         if len(fkey) > _MAX_WRITE_KEY or len(value) > _MAX_VALUE:
             _refuse(fkey, value)
         record = _u32(len(fkey)) + fkey + _u32(len(value)) + value
@@ -449,17 +514,19 @@ class LogFile:
 
     def add(self, fkey: bytes, amount: int, key_name: str) -> int:
         if self.closed:
-            self._ensure_open()
+            self.ensure_open()
         if len(fkey) > _MAX_WRITE_KEY:
             _refuse(fkey, b"")
         with self.shared.mutex:
             fd = self._begin(_WR_FLAGS, LOCK_EX)
             try:
-                return self._add_locked(fd, fkey, amount, key_name)
+                return self.add_in_cycle(fd, fkey, amount, key_name)
             finally:
                 unlock_close(fd)
 
-    def _add_locked(self, fd: int, fkey: bytes, amount: int, key_name: str) -> int:
+    def add_in_cycle(self, fd: int, fkey: bytes, amount: int, key_name: str) -> int:
+        """ADD inside a cycle: the caller holds the process mutex and ``LOCK_EX`` on ``fd``, and
+        has caught up; returns the new value."""
         number = add_to_counter(self.cache.get(fkey), amount, key_name)
         value = b"%d" % number
         self._append(fd, _u32(len(fkey)) + fkey + _u32(len(value)) + value)
@@ -468,7 +535,7 @@ class LogFile:
 
     def compare_set(self, fkey: bytes, expected: bytes, desired: bytes) -> bytes:
         if self.closed:
-            self._ensure_open()
+            self.ensure_open()
         if len(fkey) > _MAX_WRITE_KEY or len(desired) > _MAX_VALUE:
             _refuse(fkey, desired)
         with self.shared.mutex:
@@ -487,7 +554,7 @@ class LogFile:
         """Append a tombstone (always, as torch: the file's bytes stay torch's); whether the
         key was there."""
         if self.closed:
-            self._ensure_open()
+            self.ensure_open()
         if len(fkey) > _MAX_WRITE_KEY:
             _refuse(fkey, b"")
         tomb = b"-" + fkey

@@ -559,7 +559,7 @@ from distlib.store.file import FileStore
 file_io.RENEW_S = 2.0  # renews 2 s after joining: after the parent's first look, before its second
 s = FileStore(sys.argv[1], 2)
 s.set("from-live-user", "1")
-fcntl.flock(s._log.liveness.fd, fcntl.LOCK_UN)  # as an NFS server restart does, unseen
+fcntl.flock(s._log.log.liveness.fd, fcntl.LOCK_UN)  # as an NFS server restart does, unseen
 print("ready", flush=True)
 s.wait(["go"], __import__("datetime").timedelta(seconds=60))
 print(s.get("go").decode(), flush=True)
@@ -829,3 +829,30 @@ def test_symlinked_path_shares_the_side_file(tmp_path):
         ]
         assert Path(str(real_dir / "s") + SIDECAR_SUFFIX).read_text() == "2\n"
     assert os.listdir(real_dir) == []
+
+
+def test_the_process_record_of_a_store_file_goes_with_its_last_store(tmp_path):
+    """Issue 37: the record a process keeps per store file (its mutex and counts, ~250 B) stayed
+    for the life of the process, one per path ever opened. It goes when the last store of this
+    process on the file closes: by close(), by garbage collection, or when the join fails."""
+    from distlib.store import file_io
+
+    before = len(file_io._SHARED)
+    for i in range(50):
+        FileStore(str(tmp_path / f"s{i}"), 1).close()
+    assert len(file_io._SHARED) == before, "records left behind by 50 closed stores"
+    path = str(tmp_path / "two")
+    first, second = FileStore(path), FileStore(path)
+    first.close()
+    assert len(file_io._SHARED) == before + 1  # the second store still uses it (and its mutex)
+    second.set("k", "v")
+    assert second.get("k") == b"v"
+    second.close()
+    assert len(file_io._SHARED) == before
+    collected = FileStore(str(tmp_path / "collected"))
+    del collected
+    gc.collect()
+    assert len(file_io._SHARED) == before, "a store closed by garbage collection left its record"
+    with pytest.raises(DistStoreError, match="does not exist"):
+        FileStore(str(tmp_path / "missing" / "store"))
+    assert len(file_io._SHARED) == before, "a store whose join failed left its record"

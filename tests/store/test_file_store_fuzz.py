@@ -1,6 +1,6 @@
 """A bounded fuzz of FileStore's record reader (hypothesis), run by `make test`.
 
-Bytes go through the reader FileStore operations use (``LogFile._catch_up``: bounded reads
+Bytes go through the reader FileStore operations use (``LogFile.catch_up``: bounded reads
 under the lock, parsing as the bytes arrive, the damage and truncation checks) on a real
 file, and through ``file_log.parse``, the whole-image model of it. Inputs are logs of valid
 records mixed with cut, spliced, zeroed and random bytes, some with length fields far
@@ -114,7 +114,7 @@ def read(log: LogFile):
     fd = os.open(log.path, _RD_FLAGS)
     try:
         lock(fd, LOCK_SH, log.path, 5.0)
-        log._catch_up(fd)
+        log.catch_up(fd)
     except DistStoreError as exc:
         match = _AT_BYTE.search(str(exc))
         assert match, f"a reader error that names no offset: {exc}"

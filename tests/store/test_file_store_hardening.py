@@ -148,7 +148,7 @@ def _read_with(log: file_io.LogFile, device: str) -> str:
     try:
         lock(fd, LOCK_SH, device, 5.0)
         with pytest.raises(DistStoreError) as info:
-            log._catch_up(fd)
+            log.catch_up(fd)
     finally:
         unlock_close(fd)
     return str(info.value)

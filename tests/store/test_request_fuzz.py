@@ -1,9 +1,10 @@
 """A bounded fuzz of the server's request path (hypothesis), run by `make test`.
 
-The bytes go through the server's own code (``StoreServer._consume``: framing, the many-key
-scanner, the held-request queue, the handlers, the state), fed by hand to a connection of a
-server that is not serving. Inputs are sequences of valid requests (the client's encoders)
-mixed with cut, spliced and random bytes, under small limits so that every limit is hit.
+The bytes go through the server's request engine (``RequestEngine``, engine.py: framing, the
+many-key scanner, the held-request queue, backpressure, the handlers, the state), driven
+through its public methods as the server's loop drives it, with no sockets. Inputs are
+sequences of valid requests (the client's encoders) mixed with cut, spliced and random bytes,
+under small limits so that every limit is hit.
 
 What must hold, whatever the bytes:
 
@@ -21,10 +22,6 @@ Each property runs a bounded number of examples (``EXAMPLES``, about 10 s in all
 
 from __future__ import annotations
 
-import logging
-import select
-import socket
-
 import pytest
 
 pytest.importorskip("hypothesis", reason="the fuzz needs hypothesis (the test extras)")
@@ -32,11 +29,12 @@ pytest.importorskip("hypothesis", reason="the fuzz needs hypothesis (the test ex
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from distlib.store.tcp import StoreServer  # noqa: E402
 from distlib.store.tcp import codec as proto  # noqa: E402
+from distlib.store.tcp.budget import MEMORY_BUDGET, ClientLimits  # noqa: E402
 from distlib.store.tcp.codec import Limits, ManyScan, Op  # noqa: E402
-from distlib.store.tcp.security import StoreSecurity  # noqa: E402
-from distlib.store.tcp.server import Connection  # noqa: E402
+from distlib.store.tcp.connection import Connection  # noqa: E402
+from distlib.store.tcp.engine import RequestEngine  # noqa: E402
+from distlib.store.tcp.handlers import CloseConnection  # noqa: E402
 
 EXAMPLES = 1500
 LIMITS = Limits(max_key=24, max_value=64, max_keys=6)
@@ -98,81 +96,47 @@ def cuts(draw, data: bytes):
     return [data[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-class _Epoll:
-    """What the server's request path asks of epoll on a connection it may close."""
+class _Peer:
+    """What a Connection needs of its socket here: a descriptor number (the engine does no I/O)."""
 
-    def register(self, *args):
-        pass
-
-    modify = unregister = register
+    def fileno(self) -> int:
+        return -1
 
 
 def run(chunks):
-    """Feed ``chunks`` to one admitted connection as successive reads; what came of it:
-    (replies in order, stored data, queues, closed, the close reason logged)."""
-    server = StoreServer("127.0.0.1", 0, limits=LIMITS, security=StoreSecurity(), batch_path=False)
-    mine, theirs = socket.socketpair()
-    theirs.setblocking(False)
-    conn = Connection(theirs, "fuzz")
-    conn.validated = True
-    server.conns[conn.fd] = conn
-    ep = _Epoll()
+    """Feed ``chunks`` to one connection as successive reads, as the server's loop does (its
+    replies taken as sent, waits released, kept requests run); what came of it: (replies in
+    order, stored data, queues, the reason the connection was closed or None)."""
+    engine = RequestEngine(LIMITS, ClientLimits(), MEMORY_BUDGET, lambda conn, value: None)
+    conn = Connection(_Peer(), "fuzz")
     replies = []
-    reasons = []
-    handler = _Capture(reasons)
-    log = logging.getLogger("distlib.store.tcp.server")
-    log.addHandler(handler)
+    reason = None
+
+    def send():  # the end of a loop turn: the replies go out
+        replies.extend(bytes(part) for part in conn.out)
+        conn.out.clear()
+        engine.answered.clear()
+
     try:
         for chunk in chunks:
-            if conn.closed:
-                break
             if not chunk:
                 continue  # (an empty read is the end of the connection)
-            server._consume(conn, ep, 0, chunk, len(chunk) + 1)
-            while not conn.closed:  # what the loop does when the replies are out
-                replies += [bytes(part) for part in conn.out]
-                conn.out.clear()
-                server._dirty.clear()
-                for waiting in server._resume:
-                    if not waiting.closed:
-                        server._run_held(waiting)
-                server._resume.clear()
-                if conn.out:
-                    continue
-                if not conn.paused:
-                    break
-                conn.paused = False
-                server._continue(conn, ep)
-        replies += [bytes(part) for part in conn.out]
-        mine.setblocking(False)
-        try:  # what _close sent as it closed: the answers to the requests before a bad one
+            go_on = engine.feed(conn, chunk)
             while True:
-                data = mine.recv(1 << 16)
-                if not data:
+                while engine.released:
+                    for released in engine.take_released():
+                        engine.run_held(released)
+                send()
+                if go_on:
                     break
-                replies.append(data)
-        except BlockingIOError:
-            pass
-    finally:
-        log.removeHandler(handler)
-        mine.close()
-        if not conn.closed:
-            theirs.close()
-        server.listener.close()
-        if server.local_listener is not None:
-            server.local_listener.close()
-    assert server.buffered == conn.buffered  # the budget's books balance
-    return b"".join(replies), dict(server.state.data), {k: list(v) for k, v in server.state.queues.items()}, \
-        conn.closed, reasons
-
-
-class _Capture(logging.Handler):
-    def __init__(self, into):
-        super().__init__(logging.WARNING)
-        self.into = into
-
-    def emit(self, record):
-        self.into.append(record.getMessage().rsplit(" (", 1)[0])
+                assert conn.paused  # only backpressure stops reading
+                conn.paused = False  # (what sending does once the replies are out)
+                go_on = engine.run_kept(conn)
+    except CloseConnection as exc:
+        reason = str(exc)
+        send()  # the replies of the requests before the bad one go out as it closes
+    assert engine.budget.buffered == conn.buffered  # the budget's books balance
+    return b"".join(replies), dict(engine.state.data), {k: list(v) for k, v in engine.state.queues.items()}, reason
 
 
 @FUZZ

@@ -27,7 +27,7 @@ from distlib import refusals
 from distlib.store.tcp import StoreServer, TCPStore, admission
 from distlib.store.tcp import codec as proto
 from distlib.store.tcp.security import StoreSecurity
-from distlib.store.tcp.server import MAX_HELD_REQUESTS
+from distlib.store.tcp.engine import MAX_HELD_REQUESTS
 from tests.fixtures.ports import free_port
 from tests.fixtures.procfs import cpu_seconds, memory_bytes
 from distlib.subprocesses import stop
@@ -303,7 +303,7 @@ def test_a_client_that_does_not_read_copied_replies_is_evicted_past_the_budget(s
     for hog in hogs:
         hog.sendall(request * 200)
     assert any(closed_by_server(hog) for hog in hogs)
-    assert small_server.buffered <= 16 * MiB + 2 * MiB
+    assert small_server.budget.buffered <= 16 * MiB + 2 * MiB
     assert any("evicted: the server holds" in r.getMessage() for r in caplog.records)
     assert writer.get("v") == b"q" * MiB
     for hog in hogs:

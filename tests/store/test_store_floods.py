@@ -28,7 +28,7 @@ from distlib.store.tcp.security import StoreSecurity
 from distlib.store.tcp.state import MAX_WAIT_KEYS
 from tests.fixtures import certs
 from tests.fixtures.sockets import closed_by_server, recv_exact
-from tests.store import flood_probe
+from tests.store import flood_probe, handshake_flood
 from tests.store.flood_probe import HELLO, MiB, Server, wait_request
 
 SERVER_LOG = "distlib.store.tcp.server"
@@ -217,7 +217,7 @@ def test_connections_over_the_limit_per_address_are_refused_and_named_once(caplo
                "(--max-connections-per-host 3)" in lines[0]
         clients.pop().close()
         deadline = time.monotonic() + 5
-        while srv._hosts.get("127.0.0.1", 0) > 2:
+        while srv.intake.admitted_from("127.0.0.1") > 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         again = TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5), security=StoreSecurity())
@@ -258,6 +258,23 @@ def test_a_client_over_a_limit_is_told_where_to_look():
         srv.stop()
 
 
+# -- half-open connections and the token holders of the same address ----------------------------
+
+
+def test_half_open_connections_do_not_lock_token_holders_of_the_same_address_out(tmp_path):
+    """Issue 37: 600 connections from 127.0.0.1 that never answer the token's challenge are
+    held (the attacker opens a new one for each the server closes) while 8 token holders from
+    127.0.0.1 connect over TCP, each with a 5 s timeout, and set and get a key: every one gets
+    in. Before, 512 unfinished handshakes per address were the most, each lived 10 s, and the
+    token holders were refused at accept ("handshake failed: Failed to recv") until they timed
+    out."""
+    result = handshake_flood.half_open_flood(tmp_path, conns=600, clients=8, timeout=5.0)
+    assert result["errors"] == [], result
+    assert len(result["connect_set_get_s"]) == 8, result
+    assert result["half_open_held_min"] >= 590, result  # the flood was on while they connected
+    assert result["made_room_lines"], result  # the server named what it closed to make room
+
+
 # -- the log under a flood of refusals -----------------------------------------------------------
 
 
@@ -295,8 +312,8 @@ def test_refusals_of_several_addresses_are_counted_apart(caplog, monkeypatch):
                     sock.sendall(b"\0" * 64)
                     recv_exact(sock, 1)
         deadline = time.monotonic() + 5
-        while len(srv.refusals.totals) < 2 or sum(n for n, _ in srv.refusals.totals.values()) < 6:
-            assert time.monotonic() < deadline, srv.refusals.totals
+        while len(srv.intake.refusals.totals) < 2 or sum(n for n, _ in srv.intake.refusals.totals.values()) < 6:
+            assert time.monotonic() < deadline, srv.intake.refusals.totals
             time.sleep(0.01)
         firsts = [r.getMessage() for r in caplog.records if "further refusals" in r.getMessage()]
         assert len(firsts) == 2, firsts
@@ -347,6 +364,36 @@ def test_a_slow_tls_handshake_does_not_hold_up_other_clients(pki, monkeypatch):
         local.close()
     finally:
         srv.stop()
+
+
+def test_tls_strangers_make_room_and_time_out_through_the_handshake_thread(pki, monkeypatch, caplog):
+    """Strangers still in their TLS handshake belong to the handshake thread: at the budget's
+    cap the oldest is handed back refused and closed, and so is one that does not prove itself
+    in time; a client with the CA and the token gets in meanwhile."""
+    from distlib.store.tcp import strangers as strangers_mod
+
+    monkeypatch.setattr(strangers_mod, "MAX_STRANGERS_PER_HOST", 4)
+    monkeypatch.setattr(admission_mod, "ANSWER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(refusals, "INTERVAL_S", 60.0)
+    caplog.set_level(logging.WARNING, SERVER_LOG)
+    token = b"tls-strangers-token-0123"
+    srv = StoreServer("127.0.0.1", 0, security=StoreSecurity(token, pki["good_cert"], pki["good_key"])).start()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(6)]
+        assert all(closed_by_server(s, within=5) for s in idle[:2])  # made room for the 5th and 6th
+        assert "made room for a newer connection: its TLS handshake had not come, and 4 connections of " \
+               "127.0.0.1 had proven nothing yet" in caplog.text, caplog.text
+        good = TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=10),
+                        security=StoreSecurity(token, ca=pki["ca"]))  # (it too makes room: the 3rd goes)
+        good.set("k", "v")
+        assert all(closed_by_server(s, within=5) for s in idle[2:])  # the rest: their 1 s ran out
+        assert good.get("k") == b"v"
+        good.close()
+        for s in idle:
+            s.close()
+    finally:
+        srv.stop()  # (logs the count of the refusals after the first, with their reasons)
+    assert "its TLS handshake did not come within 1 s of connecting" in caplog.text, caplog.text
 
 
 def _tls_store(port: int, pki) -> TCPStore:

@@ -42,6 +42,17 @@ def raw(server, hello=True):
     return sock
 
 
+def until(condition, what: str, within: float = 5.0) -> None:
+    """Wait until ``condition()`` holds (the server's loop runs on its own thread)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        time.sleep(0.001)
+
+
+def waiters_of(server, key: bytes) -> list:
+    """The server's connections waiting for ``key``."""
+    return list(server.state.waiters.get(key, ()))
 
 
 def healthy(server) -> bool:
@@ -110,7 +121,6 @@ def test_stalled_client_does_not_delay_others(server):
     assert healthy(server)
     assert time.monotonic() - start < 2
     stalled.sendall(proto.set_(b"/stall", b"y" * 1000)[50:])  # finishing it later still works
-    time.sleep(0.1)
     store = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=5))
     assert store.get("stall") == b"y" * 1000
 
@@ -119,7 +129,7 @@ def test_deferred_wait_reply_does_not_block_a_pipelined_cancel(server):
     """A torch client's only request behind a pending WAIT: CANCEL_WAIT, answered at once."""
     sock = raw(server)
     sock.sendall(proto.keys_request(proto.Op.WAIT, [b"/nothing"]))
-    time.sleep(0.1)
+    until(lambda: len(waiters_of(server, b"/nothing")) == 1, "the WAIT on /nothing registered")
     sock.sendall(proto.bare_request(proto.Op.CANCEL_WAIT))
     assert recv_exact(sock, 1) == b"\x01"
     sock.sendall(proto.bare_request(proto.Op.GETNUMKEYS))
@@ -127,9 +137,16 @@ def test_deferred_wait_reply_does_not_block_a_pipelined_cancel(server):
 
 
 def test_requests_behind_a_wait_run_in_order_after_it(server):
+    """The GET and ADD sent behind a pending WAIT are held, unanswered, until the key is set,
+    then answered in order after the WAIT's STOP_WAITING (the GET sees the value)."""
     sock = raw(server)
     sock.sendall(proto.keys_request(proto.Op.WAIT, [b"/later"]) + proto.get(b"/later") + proto.add(b"/n", 2))
-    time.sleep(0.1)
+    until(lambda: [len(conn.held or ()) for conn in waiters_of(server, b"/later")] == [2],
+          "the WAIT on /later registered with the GET and the ADD held behind it")
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing answered before the key exists
+        sock.recv(1)
+    sock.settimeout(5)
     store = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=5))
     store.set("later", "here")
     assert recv_exact(sock, 1 + 8 + 4 + 8) == b"\x00" + proto.blob(b"here") + struct.pack("<q", 2)
@@ -138,12 +155,14 @@ def test_requests_behind_a_wait_run_in_order_after_it(server):
 def test_waiter_that_disconnects_is_forgotten(server):
     sock = raw(server)
     sock.sendall(proto.keys_request(proto.Op.WAIT, [b"/gone"]))
+    until(lambda: len(waiters_of(server, b"/gone")) == 1, "the WAIT on /gone registered")
+    assert server.state.wait_bytes > 0
     sock.close()
-    time.sleep(0.1)
+    until(lambda: b"/gone" not in server.state.waiters, "the closed connection's WAIT on /gone forgotten")
+    assert server.state.wait_bytes == 0  # nothing of the wait stays charged
     store = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=5))
     store.set("gone", "1")
     assert healthy(server)
-    assert b"/gone" not in server.state.waiters
 
 
 def test_a_wide_wake_up_reaches_every_waiter_once(caplog):
@@ -174,11 +193,9 @@ def test_a_wide_wake_up_reaches_every_waiter_once(caplog):
                 assert recv_exact(sock, 8 + 1) == proto.blob(b"x")
                 counts.append(struct.unpack("<q", recv_exact(sock, 8))[0])
         assert sorted(counts) == list(range(1, len(counts) + 1))
-        time.sleep(0.1)
-        for sock in socks:
-            sock.setblocking(False)
-            with pytest.raises(BlockingIOError):
-                sock.recv(1)  # nothing more, nothing twice
+        for i, sock in enumerate(socks):  # nothing more, nothing twice: the next bytes answer a PING
+            sock.sendall(proto.ping(i))
+            assert recv_exact(sock, 4) == struct.pack("<I", i), f"waiter {i} got more than its replies"
         assert store.add("n", 0) == len(counts)
         store.close()
         for sock in socks:

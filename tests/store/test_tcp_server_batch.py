@@ -1,7 +1,7 @@
 """The server's batch path (distlib/store/tcp/batch.py) against the general path's behaviour.
 
 Each test builds a server that is not serving, connects clients to it through socket pairs,
-and hands ``_turn`` a chosen list of events, so that the order of requests within one loop
+and hands ``turn`` a chosen list of events, so that the order of requests within one loop
 turn is the test's, not the scheduler's.
 """
 
@@ -26,12 +26,10 @@ class Turns:
     """A StoreServer with clients attached by hand; ``turn`` runs one loop turn."""
 
     def __init__(self, batch: bool = True, min_events: int = 1):
-        self.server = StoreServer("127.0.0.1", 0)
-        if not batch:
-            self.server.batch = None
-        else:  # the tests' turns are small: let the batch path take them (unless a test says)
+        self.server = StoreServer("127.0.0.1", 0, batch_path=batch)
+        if batch:  # the tests' turns are small: let the batch path take them (unless a test says)
             self.server.batch.min_events = min_events
-        self.ep = select.epoll()
+        self.ep = self.server.ep
         self.clients = []
         self.conns = []
 
@@ -51,20 +49,12 @@ class Turns:
         """One loop turn with an EPOLLIN event for each of ``clients``, in that order."""
         if events is None:
             events = [(self.conns[self.clients.index(c)].fd, EPOLLIN) for c in clients]
-        self.server._turn(events, self.ep)
+        self.server.turn(events)
 
     def close(self):
-        if self.server.batch is not None:
-            self.server.batch.close()
         for c in self.clients:
             c.close()
-        for conn in self.conns:
-            if not conn.closed:
-                conn.sock.close()
-        self.ep.close()
-        self.server.listener.close()
-        if self.server.local_listener is not None:
-            self.server.local_listener.close()
+        self.server.close()  # (and the connections still open)
 
 
 @pytest.fixture(params=[True, False], ids=["batch", "general"])
@@ -496,11 +486,9 @@ def test_the_frame_cache_is_bounded(batched):
 def test_batch_path_off_by_argument():
     server = StoreServer("127.0.0.1", 0, batch_path=False)
     try:
-        assert server.batch is None
+        assert server.batch is None and server.sender.batch is None
     finally:
-        server.listener.close()
-        if server.local_listener is not None:
-            server.local_listener.close()
+        server.close()
 
 
 def test_waits_on_several_keys_in_one_turn_are_each_released_by_their_key(turns):

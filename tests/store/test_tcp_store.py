@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 
-from distlib import DistNetworkError, DistStoreError
+from distlib import DistError, DistNetworkError, DistStoreError
 from distlib.store.tcp import TCPStore
 from distlib.store.tcp import codec as proto
 
@@ -52,6 +52,29 @@ def test_handshake_then_worker_counter_bytes():
     server.finish()
     assert store.ordered_waits is False
     store.close()
+
+
+@pytest.mark.parametrize("store_timeout, wording", [
+    (0.3, "within 1.0s (the reply deadline: 1.0s at least, longer than the store timeout of 300ms)"),
+    (1.5, "within 1.5s (the store timeout)"),
+])
+def test_a_reply_that_never_comes_names_the_timeout_that_ran_out(monkeypatch, store_timeout, wording):
+    """Issue 37: a reply that must come at once waits max(store timeout, MIN_REPLY_DEADLINE);
+    the error said "(the store timeout)" with the reply deadline's figure, e.g. "within 30.0s
+    (the store timeout)" for a store timeout of 3 s."""
+    from distlib.store.tcp import client_channel
+
+    monkeypatch.setattr(client_channel, "MIN_REPLY_DEADLINE", 1.0)
+    server = ScriptedServer([
+        ("expect", HANDSHAKE), ("send", DISTLIB_SERVER_HELLO),
+        ("expect", b"\x04" + blob(b"/n") + struct.pack("<q", 1)), ("silence", 3.0),
+    ])
+    store = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=store_timeout))
+    with pytest.raises(DistError) as info:
+        store.add("n", 1)
+    assert wording in str(info.value), str(info.value)
+    store.close()
+    server.finish()
 
 
 def test_set_and_get_against_a_torch_server_use_torchs_sequence():
@@ -186,6 +209,38 @@ def test_master_returns_when_all_workers_joined():
     assert workers[0].num_keys() == 1 and workers[0].list_keys() == []
     for s in workers + [box["m"]]:
         s.close()
+
+
+def test_a_handshake_that_timed_out_after_failed_attempts_names_the_timeout_and_the_failure():
+    """A server that closes the first connection and leaves the second silent: the error names
+    the client's timeout (1000ms), the attempts and why they failed, not only the silence of the
+    last attempt in what was left of the timeout (which read "did not answer ... within 8ms: is
+    another service on this port?" under issue 37's flood)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    held = []
+
+    def serve():
+        first, _ = listener.accept()
+        first.close()  # a refusal
+        second, _ = listener.accept()
+        held.append(second)  # silent
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(DistNetworkError) as info:
+            TCPStore("127.0.0.1", port, timeout=short(1.0))
+        text = str(info.value)
+        assert "timed out after 1000ms" in text and "connected 2 times, but the handshake failed" in text, text
+        assert "Failed to recv" in text and "is another service" not in text, text
+    finally:
+        thread.join(5)
+        listener.close()
+        for sock in held:
+            sock.close()
 
 
 def test_worker_started_before_master_connects_when_it_appears():

@@ -15,9 +15,13 @@ In order, each step only when it applies:
 4. **VALIDATE**: the TCPStore handshake's first message, with torch's magic.
 
 All of it within ``TIMEOUT_S`` of the accept, or the connection is closed: a peer that
-connects and says nothing (or trickles bytes) holds a descriptor, never the server. Every
-refusal names the peer's address and what it did in the server's log; a peer that closes
-having sent nothing (a TCP health probe) is logged at INFO only.
+connects and says nothing (or trickles bytes) holds a descriptor, never the server. Until a
+peer has proven anything (the token's response; VALIDATE on a store without a token) it is a
+**stranger** (``is_stranger``): it must prove itself within ``ANSWER_TIMEOUT_S`` of the accept,
+and strangers have a budget of their own (intake.py: at its cap the oldest makes room for the
+newest), so that half-open connections cannot hold the slots a client with the token needs.
+Every refusal names the peer's address and what it did in the server's log; a peer that
+closes having sent nothing (a TCP health probe) is logged at INFO only.
 
 This module drives one connection through the steps (``Admission.advance``); the server
 keeps such connections apart from admitted ones until ``advance`` says ADMITTED, so none of
@@ -37,6 +41,10 @@ from .codec import MAGIC, U32, Op
 #: Everything before the first request (TLS, the token, VALIDATE) must be done this long after
 #: the accept. A real client needs a round trip or two; 10 s covers a loaded machine.
 TIMEOUT_S = 10.0
+#: ... and a stranger must prove itself (answer the token's challenge; send VALIDATE to a store
+#: without a token) this long after the accept: a real client answers in a round trip (its
+#: TLS handshake included), and one cut short by a loaded machine connects again (handshake.py).
+ANSWER_TIMEOUT_S = 3.0
 
 #: Bytes a VALIDATE step reads at most (what follows goes to the request path).
 _VALIDATE_READ = 64
@@ -64,13 +72,14 @@ class Refused(Exception):
 class Gate:
     """One connection's progress through the steps, and the bytes read and not yet used."""
 
-    __slots__ = ("step", "got", "nonce", "deadline")
+    __slots__ = ("step", "got", "nonce", "deadline", "answer_by")
 
-    def __init__(self, step: int, deadline: float):
+    def __init__(self, step: int, deadline: float, answer_by: float):
         self.step = step
         self.got = bytearray()
         self.nonce: Optional[bytes] = None
-        self.deadline = deadline
+        self.deadline = deadline  # everything done by then
+        self.answer_by = answer_by  # a stranger proven by then
 
 
 class Admission:
@@ -80,12 +89,14 @@ class Admission:
         self.token = token
         self.tls_context = tls_context
 
-    def open(self, conn, local: bool, deadline: float) -> None:
-        """A connection was accepted: its first step (the challenge goes out now, if any)."""
+    def open(self, conn, local: bool, accepted: float) -> None:
+        """A connection was accepted at ``accepted`` (time.monotonic()): its first step (the
+        challenge goes out now, if any), its deadlines."""
+        deadline, answer_by = accepted + TIMEOUT_S, accepted + ANSWER_TIMEOUT_S
         if self.tls_context is not None and not local:
-            conn.gate = Gate(PEEK_TLS, deadline)
+            conn.gate = Gate(PEEK_TLS, deadline, answer_by)
         else:
-            conn.gate = Gate(AUTH if self.token else VALIDATE, deadline)
+            conn.gate = Gate(AUTH if self.token else VALIDATE, deadline, answer_by)
             if self.token:
                 self._challenge(conn)
 
@@ -96,6 +107,22 @@ class Admission:
     @staticmethod
     def step_name(conn) -> str:
         return _STEP_NAMES[conn.gate.step]
+
+    def is_stranger(self, conn) -> bool:
+        """Whether ``conn``, on its way in, has proven nothing yet: not the token (its TLS
+        handshake or its challenge still to come), or, on a store without a token, not
+        VALIDATE."""
+        step = conn.gate.step
+        return step != VALIDATE or not self.token
+
+    def unproven(self, conn) -> str:
+        """What the stranger ``conn`` has not sent yet, for the log."""
+        step = conn.gate.step
+        if step == AUTH:
+            return "its answer to the authentication challenge"
+        if step == VALIDATE:
+            return "its TCPStore handshake (VALIDATE)"
+        return "its TLS handshake"
 
     @staticmethod
     def needs_tls(conn) -> bool:

@@ -12,14 +12,18 @@ Checked where a connection's buffers grow and once at the end of every loop turn
 inside the handlers and the batch path, which do not know the budget; a turn adds at most one
 request's worth per connection, and a WAIT's keys are capped by the state).
 
-A part of ``StoreServer`` (server.py), as a base class: it uses the server's ``conns``,
-``buffered``, ``state``, ``memory_budget`` and ``_close``.
+``MemoryBudget`` is one object, owned by the request engine (engine.py: what it holds for a
+connection, the state's waits) and charged by the sending too (sending.py: unsent replies).
+It counts and chooses; closing the connections it chooses is the caller's (``evict``'s
+``close``), since that is I/O.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 from .connection import Connection
-from .state import MAX_WAIT_KEYS, MAX_WAITING_KEYS
+from .state import MAX_WAIT_KEYS, MAX_WAITING_KEYS, KeyValueState
 
 #: What the server may hold for its clients in all (unsent replies, requests not fully arrived
 #: or queued behind a wait, the keys of pending waits) before it closes the connections holding
@@ -57,31 +61,46 @@ class ClientLimits:
 
 
 class MemoryBudget:
-    """Charging connections and evicting the largest (a base class of ``StoreServer``)."""
+    """What the server holds for its clients, counted against ``limit`` bytes: ``buffered``
+    (each connection's ``Connection.buffered``, charged with ``charge``) plus the waits of
+    ``state`` (``state.wait_bytes``)."""
 
-    def _charge(self, conn: Connection, n: int) -> None:
+    __slots__ = ("limit", "state", "buffered")
+
+    def __init__(self, limit: int, state: KeyValueState):
+        self.limit = limit
+        self.state = state
+        self.buffered = 0  # what every connection holds (Connection.buffered), in bytes
+
+    def charge(self, conn: Connection, n: int) -> None:
+        """``conn`` holds ``n`` more bytes (fewer when negative)."""
         conn.buffered += n
         self.buffered += n
 
-    def _check_budget(self, ep) -> None:
-        if self.buffered + self.state.wait_bytes > self.memory_budget:
-            self._evict(ep)
+    def discharge(self, conn: Connection) -> None:
+        """``conn`` is closed: what it held is freed."""
+        self.buffered -= conn.buffered
+        conn.buffered = 0
 
-    def _evict(self, ep) -> None:
-        """Over the budget: close the connections holding the most until under it again."""
+    def over(self) -> bool:
+        """Whether the server holds more than ``limit`` for its clients."""
+        return self.buffered + self.state.wait_bytes > self.limit
+
+    def evict(self, conns: Iterable[Connection], close: Callable[[Connection, str], None]) -> None:
+        """Over the budget: ``close`` the connections of ``conns`` holding the most, with the
+        reason, until under it again (``close`` must ``discharge`` them)."""
         state = self.state
-        holding = {conn: conn.buffered + state.cost_of(conn) for conn in self.conns.values()
-                   if conn.buffered or conn.wait_count}
+        holding = {conn: conn.buffered + state.cost_of(conn) for conn in conns if conn.buffered or conn.wait_count}
         for conn in sorted(holding, key=holding.get, reverse=True):
             held_now = self.buffered + state.wait_bytes
-            if held_now <= self.memory_budget:
+            if held_now <= self.limit:
                 return
             held = sum(map(len, conn.held or ()))
             partial = len(conn.inbuf) if conn.inbuf is not None else 0
             cost = state.cost_of(conn)
             waiting = f", about {cost} for the {conn.wait_count} keys it waits for" if cost else ""
-            self._close(conn, ep, (
+            close(conn, (
                 f"evicted: the server holds {held_now} bytes for its clients, over its memory budget of "
-                f"{self.memory_budget} (--memory-budget-mb), and this client the most: {conn.pending_own} bytes of "
+                f"{self.limit} (--memory-budget-mb), and this client the most: {conn.pending_own} bytes of "
                 f"replies it has not read, {partial} of requests that have not fully arrived or wait for those "
                 f"replies, {held} queued behind a WAIT{waiting}"))

@@ -156,7 +156,7 @@ class RequestChannel:
     def _send_rest(self, data: memoryview) -> None:
         """The kernel took part of a request (a large value, or a server that reads slowly):
         send the rest as the socket drains, giving up after the reply deadline."""
-        limit = max(self._timeout_s, MIN_REPLY_DEADLINE)
+        limit = self._reply_deadline()
         deadline = time.monotonic() + limit
         poller = select.poll()
         poller.register(self._sock.fileno(), _POLLOUT)
@@ -165,7 +165,7 @@ class RequestChannel:
             if left <= 0:
                 raise self._fail(
                     f"{self.describe()} did not take a request within {format_duration(limit)} "
-                    f"(the store timeout); the connection is no longer usable")
+                    f"({self._what_ran_out()}); the connection is no longer usable")
             poller.poll(max(1, int(left * 1000)))
             try:
                 sent = self._sock.send(data)
@@ -201,7 +201,7 @@ class RequestChannel:
 
     def _recv_blocking(self, what: str, timeout: Optional[float]) -> bytes:
         """Block in poll(2) until the socket has data or the deadline passes; read it."""
-        limit = max(self._timeout_s, MIN_REPLY_DEADLINE) if timeout is None else timeout
+        limit = self._reply_deadline() if timeout is None else timeout
         deadline = time.monotonic() + limit
         poll = self._poller.poll
         recv = self._sock.recv
@@ -223,7 +223,18 @@ class RequestChannel:
                 raise WaitTimedOut()
             raise self._fail(
                 f"{self.describe()} did not answer {what} within {format_duration(limit)} "
-                f"(the store timeout); the connection is no longer usable")
+                f"({self._what_ran_out()}); the connection is no longer usable")
+
+    def _reply_deadline(self) -> float:
+        """How long a reply that must come at once may take: max(store timeout, MIN_REPLY_DEADLINE)."""
+        return max(self._timeout_s, MIN_REPLY_DEADLINE)
+
+    def _what_ran_out(self) -> str:
+        """Which of the two made ``_reply_deadline``, for the error."""
+        if self._timeout_s >= MIN_REPLY_DEADLINE:
+            return "the store timeout"
+        return (f"the reply deadline: {format_duration(MIN_REPLY_DEADLINE)} at least, longer than the store timeout "
+                f"of {format_duration(self._timeout_s)}")
 
     def _read(self, n: int, what: str, timeout: Optional[float] = None) -> bytes:
         buf = self._rbuf

@@ -91,7 +91,10 @@ def open_connection(host: str, port: int, deadline: Deadline, security: StoreSec
     """Connect and pass every step, retrying what may succeed later until ``deadline``."""
     where = format_endpoint(host, port)
     patient = False  # after a challenge that came late: wait for it without asking
+    attempts = 0
+    failed: Optional[BaseException] = None  # what ended the last attempt that failed
     while True:
+        attempts += 1
         local_ip = _loopback_ip(host, port)
         sock = _connect_local(port, deadline) if local_ip is not None else None
         if sock is None:
@@ -104,6 +107,11 @@ def open_connection(host: str, port: int, deadline: Deadline, security: StoreSec
             return Opened(sock, ordered, local_ip, isinstance(sock, ssl.SSLSocket))
         except _Silent as exc:
             _close(sock)
+            if failed is not None:  # silent for what was left of the timeout, after attempts that failed
+                raise DistNetworkError(
+                    f"The client socket has timed out after {int(deadline.seconds * 1000)}ms while trying to connect "
+                    f"to ({host}, {port}): connected {attempts} times, but the handshake failed: {failed}; the last "
+                    f"attempt got no answer to {exc.what} in the {format_duration(exc.waited)} that was left") from None
             raise NotAStoreServer(
                 f"The client socket has timed out after {int(deadline.seconds * 1000)}ms while trying to connect to "
                 f"({host}, {port}): {where} accepted the connection but did not answer {exc.what} within "
@@ -117,6 +125,7 @@ def open_connection(host: str, port: int, deadline: Deadline, security: StoreSec
             log.info("%s sent its authentication challenge late: connecting again", where)
         except (OSError, DistNetworkError) as exc:
             _close(sock)
+            failed = exc
             if deadline.expired():
                 closed = isinstance(exc, (ConnectionResetError, BrokenPipeError))  # (closed as we sent)
                 raise DistNetworkError(

@@ -2,12 +2,16 @@
 step by step, the deadlines of connections on their way in, closing (and what the log says
 about it), and a pause in accepting when the process runs out of file descriptors.
 
-A part of ``StoreServer`` (server.py), as a base class: these methods use the server's
-connection tables (``conns``, ``_admitting``, ``_admission_order``), its timers (``_due``),
-its ``client_limits``, ``refusals`` and ``tls_handshakes``, and its ``_consume``. Nothing here
-runs per request.
+``Intake`` is one object of the server (server.py). It owns the listening sockets, the tables
+of connections (admitted: ``conns``; on their way in: ``admitting``), the deadlines of the
+connections on their way in and the logs of refusals (its ``due`` says when ``timers`` must
+run next), and it is the one place connections are closed (``close``). It is given the epoll
+object, the admission steps, the limits, the state and the memory budget (a closed
+connection's waits and bytes are given back), the list of connections with replies to send
+(``answered``: a token's challenge) and ``on_admitted``, the server's call for a connection
+that came in (with the bytes that followed VALIDATE). Nothing here runs per request.
 
-* **Admission first.** A new connection is kept apart (``_admitting``) until admission.py has
+* **Admission first.** A new connection is kept apart (``admitting``) until admission.py has
   taken it through TLS, the token and VALIDATE, within ``admission.TIMEOUT_S`` of the accept;
   only then can its requests run. With no token and no TLS it only checks VALIDATE, and the
   wire is torch's byte for byte.
@@ -17,9 +21,15 @@ runs per request.
   kernel's cost per request is about a third of TCP loopback's. Peers of another user are
   refused at accept. ``DISTLIB_STORE_UNIX=0`` turns it off.
 * **Limits on connections** (budget.ClientLimits): admitted connections in all
-  (``max_connections``) and per peer address (``max_connections_per_host``), and connections
-  on their way in per address (MAX_ADMITTING_PER_HOST). A connection over one is closed at
-  accept, before anything of it is read (and checked again when it is admitted).
+  (``max_connections``) and per peer address (``max_connections_per_host``). A connection
+  over one is closed at accept, before anything of it is read (and checked again when it is
+  admitted).
+* **Strangers make room** (strangers.py): connections that have proven nothing yet (the
+  token's response; VALIDATE on a store without a token) have a budget of their own, per
+  address and in all, and must prove themselves within ``admission.ANSWER_TIMEOUT_S`` of the
+  accept. At the budget's cap (or at ``max_connections``) the oldest stranger is closed to
+  make room for the newest, so half-open connections cannot lock a client with the token
+  out.
 * **The log names each refusal once per address per interval** (distlib/refusals.py): a
   connection refused, timed out on its way in, or closed for what it sent is logged in full
   the first time its address does it, then counted, one line per interval; so a peer that
@@ -34,19 +44,24 @@ runs per request.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import resource
 import socket
 import time
-from typing import Dict, Optional
+from typing import Callable, Deque, Dict, List, Optional
 
 from ...deadline import format_duration
 from ...net import format_peer, peer_host, same_user, unix_peer
 from ...refusals import RefusalLog
 from . import admission
-from .admission import ADMITTED, WANT_WRITE, Refused
+from .admission import ADMITTED, WANT_WRITE, Admission, Refused
+from .budget import ClientLimits, MemoryBudget
 from .connection import CONN_EVENTS, EPOLLIN, EPOLLOUT, IOV_MAX, Connection
+from .state import KeyValueState
+from .strangers import Strangers
+from .tls_handshakes import TlsHandshakes
 
 log = logging.getLogger("distlib.store.tcp.server")
 
@@ -54,14 +69,10 @@ log = logging.getLogger("distlib.store.tcp.server")
 ACCEPT_PAUSE_S = 0.5
 #: ... and log it at most this often.
 EMFILE_LOG_INTERVAL_S = 10.0
-#: Connections of one address on their way in (TLS, the token, VALIDATE) at once: a node's
-#: ranks connecting together are admitted in a round trip or two; past this, a peer is opening
-#: connections faster than it finishes them.
-MAX_ADMITTING_PER_HOST = 512
 #: Connections accepted per loop turn at most: a flood of connections waits in the backlog
 #: between turns, and the requests of clients already in run in between.
 ACCEPTS_PER_TURN = 128
-#: Bytes drained from a connection before its parting reply (see ``_close``).
+#: Bytes drained from a connection before its parting reply (see ``close``).
 _DRAIN = 64 * 1024
 #: The address the same-host UNIX socket's clients are counted and logged under.
 LOCAL_HOST = "the same-host socket"
@@ -76,9 +87,89 @@ def _count(table: Dict[str, int], host: str, delta: int) -> None:
 
 
 class Intake:
-    """Accepting, admitting and closing connections (a base class of ``StoreServer``)."""
+    """Accepting, admitting and closing the connections of one store server.
 
-    def _accept(self, ep, listener: socket.socket, local: bool = False) -> None:
+    ``listener`` (and ``local_listener``, the same-host socket, or None) are the server's
+    listening sockets, non-blocking; the intake closes them in ``shutdown``.
+    """
+
+    def __init__(self, ep, listener: socket.socket, local_listener: Optional[socket.socket],
+                 admission_: Admission, client_limits: ClientLimits, state: KeyValueState, budget: MemoryBudget,
+                 answered: List[Connection], on_admitted: Callable[[Connection, bytes], None],
+                 log_connections: bool = False, strangers: Optional[Strangers[Connection]] = None):
+        self.ep = ep
+        self.listener = listener
+        self.local_listener = local_listener
+        self.admission = admission_
+        self.client_limits = client_limits
+        self.state = state
+        self.budget = budget
+        self.answered = answered
+        self.on_admitted = on_admitted
+        self.log_connections = log_connections
+        #: Listening sockets by fd.
+        self.listeners: Dict[int, socket.socket] = {listener.fileno(): listener}
+        if local_listener is not None:
+            self.listeners[local_listener.fileno()] = local_listener
+        self.conns: Dict[int, Connection] = {}  # admitted, by fd
+        self.admitting: Dict[int, Connection] = {}  # accepted, not admitted yet (admission.py)
+        self._hosts: Dict[str, int] = {}  # peer address -> its admitted connections
+        self._admission_order: Deque[Connection] = collections.deque()  # by deadline
+        #: Connections on their way in that have proven nothing yet, and their budget.
+        self.strangers: Strangers[Connection] = strangers if strangers is not None else Strangers()
+        #: Strangers handed to the TLS thread to be refused, and why (it may finish them first).
+        self._dropped: Dict[Connection, Refused] = {}
+        #: Refusals and closes for what a client sent, logged once per address per interval.
+        self.refusals = RefusalLog(log)
+        #: With ``log_connections``: clients' connections and disconnections, the same way.
+        self.connection_log = RefusalLog(log, noun="connections and disconnections")
+        #: The TLS handshake thread (tls_handshakes.py), while serving with TLS.
+        self.tls_handshakes: Optional[TlsHandshakes] = None
+        #: When ``timers`` must run next: an admission deadline, accepting again, a count of
+        #: refusals to log (None: nothing due).
+        self.due: Optional[float] = None
+        self._accept_paused_until = 0.0
+        self._emfile_log_at = 0.0
+        self._emfile_unlogged = 0
+
+    # -- serving -----------------------------------------------------------------------------------
+
+    def start(self, wake: Callable[[], None], name: str) -> None:
+        """Serving begins: the listeners join the epoll set, and the TLS handshake thread starts
+        when the server has a certificate (``wake`` is its call back to the loop)."""
+        for fd in self.listeners:
+            self.ep.register(fd, EPOLLIN)
+        if self.admission.tls_context is not None:
+            self.tls_handshakes = TlsHandshakes(self.admission, wake, name)
+
+    def shutdown(self) -> None:
+        """Serving ends: stop the TLS thread, close every connection and the listeners, log the
+        last counts of refusals."""
+        if self.tls_handshakes is not None:
+            self.tls_handshakes.close()
+        for conn in list(self.conns.values()) + list(self.admitting.values()):
+            self.close(conn, "server stopping", level=None)
+        self.refusals.flush(final=True)
+        self.connection_log.flush(final=True)
+        self.close_listeners()
+
+    def close_listeners(self) -> None:
+        self.listener.close()
+        if self.local_listener is not None:
+            self.local_listener.close()
+
+    def admitted_from(self, host: str) -> int:
+        """Admitted connections of ``host`` (an address, without the port)."""
+        return self._hosts.get(host, 0)
+
+    def strangers_from(self, host: str) -> int:
+        """Connections of ``host`` on their way in that have proven nothing yet."""
+        return self.strangers.of(host)
+
+    def accept(self, fd: int) -> None:
+        """The listening socket ``fd`` is readable: accept what waits (ACCEPTS_PER_TURN at most)."""
+        listener = self.listeners[fd]
+        local = listener is self.local_listener
         tls_handshakes = None if local else self.tls_handshakes
         for _ in range(ACCEPTS_PER_TURN):  # (the listener is level-triggered: the rest come next turn)
             try:
@@ -87,7 +178,7 @@ class Intake:
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    self._pause_accepting(ep, exc)
+                    self._pause_accepting(exc)
                     return
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
                     continue
@@ -113,32 +204,31 @@ class Intake:
                 self._log_refusal(host, f"closed connection of client {peer}: {refusal}", refusal)
                 sock.close()
                 continue
+            self._make_room(host)
             conn = Connection(sock, peer, host)
-            self._admitting[conn.fd] = conn
-            _count(self._admitting_hosts, host, 1)
-            deadline = time.monotonic() + admission.TIMEOUT_S
-            self.admission.open(conn, local, deadline)
+            self.admitting[conn.fd] = conn
+            self.admission.open(conn, local, time.monotonic())
             self._admission_order.append(conn)
-            if self._due is None or deadline < self._due:
-                self._due = deadline
+            self.strangers.add(conn)
+            gate = conn.gate
+            assert gate is not None  # (admission.open set it)
+            first = min(gate.deadline, gate.answer_by)
+            if self.due is None or first < self.due:
+                self.due = first
             if tls_handshakes is not None and self.admission.needs_tls(conn):
                 conn.handshaking = True
                 tls_handshakes.submit(conn)
                 continue
-            ep.register(conn.fd, CONN_EVENTS)
+            self.ep.register(conn.fd, CONN_EVENTS)
             if conn.out:
-                self._dirty.append(conn)
+                self.answered.append(conn)
 
     def _over_limit(self, host: str, admitted: bool) -> Optional[str]:
         """Why a connection from ``host`` must be refused now (None: it may come in or stay)."""
         limits = self.client_limits
         if not admitted:
-            on_the_way = self._admitting_hosts.get(host, 0)
-            if on_the_way >= MAX_ADMITTING_PER_HOST:
-                return (f"refused: {on_the_way} connections from {host} are already on their way in (TLS, "
-                        f"authentication, VALIDATE), the most one address may have at once")
-            if len(self.conns) + len(self._admitting) >= limits.max_connections:
-                return (f"refused: the server has {len(self.conns) + len(self._admitting)} connections, its limit "
+            if len(self.conns) + len(self.admitting) >= limits.max_connections and not self.strangers:
+                return (f"refused: the server has {len(self.conns) + len(self.admitting)} connections, its limit "
                         f"(--max-connections {limits.max_connections})")
         elif len(self.conns) >= limits.max_connections:
             return f"refused: the server serves {len(self.conns)} clients, its limit (--max-connections)"
@@ -148,54 +238,88 @@ class Intake:
                     f"(--max-connections-per-host {limits.max_connections_per_host})")
         return None
 
-    def _handshakes_done(self, ep) -> None:
+    def _make_room(self, host: str) -> None:
+        """A connection of ``host`` is coming in: close the oldest strangers if the budget of
+        strangers (strangers.py) or ``max_connections`` has no room for it."""
+        strangers = self.strangers
+        for old in strangers.make_room(host):
+            if old.host == host and strangers.of(host) + 1 >= strangers.per_host:
+                why = (f"{strangers.per_host} connections of {host} had proven nothing yet, the most one address "
+                       f"may have at once")
+            else:
+                why = f"{strangers.total} connections had proven nothing yet, the most the server holds at once"
+            self._refuse_stranger(old, f"refused: made room for a newer connection: "
+                                       f"{self.admission.unproven(old)} had not come, and {why} (the oldest goes)")
+        limit = self.client_limits.max_connections
+        while len(self.conns) + len(self.admitting) - len(self._dropped) >= limit:
+            oldest = strangers.oldest()
+            if oldest is None:
+                break
+            strangers.remove(oldest)
+            self._refuse_stranger(oldest, f"refused: made room for a newer connection: "
+                                          f"{self.admission.unproven(oldest)} had not come, and the server has "
+                                          f"{limit} connections, its limit (--max-connections {limit}) (the oldest "
+                                          f"that proved nothing goes)")
+
+    def _refuse_stranger(self, conn: Connection, reason: str) -> None:
+        """Close a stranger (already out of ``strangers``); one in its TLS handshake is handed
+        back by the handshake thread first (it owns the socket until then)."""
+        if conn.handshaking and self.tls_handshakes is not None:
+            refusal = Refused(reason)
+            self._dropped[conn] = refusal
+            self.tls_handshakes.drop(conn, refusal)
+        else:
+            self.close(conn, reason)
+
+    def handshakes_done(self) -> None:
         """Connections the TLS handshake thread handed back: refused ones are closed; the
         others go on to the token or VALIDATE, on the loop."""
         finished = self.tls_handshakes.finished
         while finished:
             conn, refusal = finished.popleft()
             conn.handshaking = False
+            dropped = self._dropped.pop(conn, None)
             if conn.closed:
                 continue
+            if refusal is None:
+                refusal = dropped  # (its handshake ended before the thread saw the drop)
             if refusal is None and conn.gate.deadline <= time.monotonic():
                 refusal = Refused(f"refused: did not complete the TLS handshake within {admission.TIMEOUT_S:g} s "
                                   f"of connecting")
             if refusal is not None:
-                self._close(conn, ep, str(refusal), level=logging.INFO if refusal.quiet else logging.WARNING,
-                            reply=refusal.reply)
+                self.close(conn, str(refusal), level=logging.INFO if refusal.quiet else logging.WARNING,
+                           reply=refusal.reply)
                 continue
-            ep.register(conn.fd, CONN_EVENTS)
+            self.ep.register(conn.fd, CONN_EVENTS)
             if conn.out:
-                self._dirty.append(conn)  # the token's challenge
-            self._advance(conn, ep, EPOLLIN)  # what arrived behind the handshake
+                self.answered.append(conn)  # the token's challenge
+            self.advance(conn)  # what arrived behind the handshake
 
-    def _advance(self, conn: Connection, ep, ev: int) -> None:
+    def advance(self, conn: Connection) -> None:
         """Take a connection on its way in as far as its bytes allow (admission.py); once it is
-        admitted, its requests go the usual way."""
-        if ev & EPOLLOUT and conn.pending is not None:
-            self._flush_pending(conn, ep)
-            if conn.closed:
-                return
+        admitted, the server's ``on_admitted`` has it (its requests go the usual way)."""
         try:
             outcome = self.admission.advance(conn)
         except Refused as exc:
-            self._close(conn, ep, str(exc), level=logging.INFO if exc.quiet else logging.WARNING, reply=exc.reply)
+            self.close(conn, str(exc), level=logging.INFO if exc.quiet else logging.WARNING, reply=exc.reply)
             return
         if conn.out:
-            self._dirty.append(conn)
+            self.answered.append(conn)
         if outcome == WANT_WRITE:
-            ep.modify(conn.fd, CONN_EVENTS | EPOLLOUT)
+            self.ep.modify(conn.fd, CONN_EVENTS | EPOLLOUT)
             return
         if outcome != ADMITTED:
+            if not self.admission.is_stranger(conn):
+                self.strangers.remove(conn)  # it proved the token
             return
+        self.strangers.remove(conn)
         refusal = self._over_limit(conn.host, admitted=True)
         if refusal is not None:
-            self._close(conn, ep, refusal)
+            self.close(conn, refusal)
             return
         leftover = conn.gate.got
         conn.gate = None
-        del self._admitting[conn.fd]
-        _count(self._admitting_hosts, conn.host, -1)
+        del self.admitting[conn.fd]
         _count(self._hosts, conn.host, 1)
         conn.validated = True
         self.conns[conn.fd] = conn
@@ -203,13 +327,10 @@ class Intake:
             self._log_refusal(conn.host, f"client {conn.peer} connected ({len(self.conns)} open)", "connected",
                               logging.INFO, self.connection_log)
         if conn.tls and conn.pending is None:
-            ep.modify(conn.fd, CONN_EVENTS)  # the TLS handshake may have asked for EPOLLOUT
-        if leftover:
-            self._consume(conn, ep, 0, bytes(leftover), len(leftover) + 1)
-        if not conn.closed:
-            self._unread.append(conn)  # edge-triggered: what followed VALIDATE is read now
+            self.ep.modify(conn.fd, CONN_EVENTS)  # the TLS handshake may have asked for EPOLLOUT
+        self.on_admitted(conn, bytes(leftover))
 
-    def _timers(self, ep) -> None:
+    def timers(self) -> None:
         """Close connections still on their way in at their deadline; accept again after a
         pause; log the counts of refusals whose interval ended."""
         now = time.monotonic()
@@ -225,18 +346,22 @@ class Intake:
             order.popleft()
             if conn.handshaking:
                 continue  # the handshake thread refuses it at this deadline (tls_handshakes.py)
-            self._close(conn, ep, f"refused: did not complete {self.admission.step_name(conn)} within "
-                                  f"{admission.TIMEOUT_S:g} s of connecting")
+            self.close(conn, f"refused: did not complete {self.admission.step_name(conn)} within "
+                             f"{admission.TIMEOUT_S:g} s of connecting")
+        for conn in self.strangers.overdue(now):
+            self._refuse_stranger(conn, f"refused: {self.admission.unproven(conn)} did not come within "
+                                        f"{admission.ANSWER_TIMEOUT_S:g} s of connecting")
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
-            for fd in self._listeners:
-                ep.register(fd, EPOLLIN)
+            for fd in self.listeners:
+                self.ep.register(fd, EPOLLIN)
         for counts in (self.refusals, self.connection_log):
             if counts.due is not None and now >= counts.due:
                 counts.flush()
-        due = [t for t in (order[0].gate.deadline if order else None, self._accept_paused_until or None,
-                           self.refusals.due, self.connection_log.due) if t is not None]
-        self._due = min(due) if due else None
+        due = [t for t in (order[0].gate.deadline if order else None, self.strangers.next_due(),
+                           self._accept_paused_until or None, self.refusals.due, self.connection_log.due)
+               if t is not None]
+        self.due = min(due) if due else None
 
     def _log_refusal(self, host: str, text: str, reason: str, level: int = logging.WARNING,
                      counts: Optional[RefusalLog] = None) -> None:
@@ -245,35 +370,35 @@ class Intake:
         counts = counts or self.refusals
         counts.refused(host, text, reason, level)
         due = counts.due
-        if due is not None and (self._due is None or due < self._due):
-            self._due = due
+        if due is not None and (self.due is None or due < self.due):
+            self.due = due
 
-    def _pause_accepting(self, ep, exc: OSError) -> None:
+    def _pause_accepting(self, exc: OSError) -> None:
         """Out of file descriptors: stop accepting for ACCEPT_PAUSE_S (the listeners are
         level-triggered: left in the set, they would report the same connection at once, and
         the loop would spin), and say so at most every EMFILE_LOG_INTERVAL_S."""
         now = time.monotonic()
-        for fd in self._listeners:
+        for fd in self.listeners:
             try:
-                ep.unregister(fd)
+                self.ep.unregister(fd)
             except (OSError, ValueError):
                 pass
         self._accept_paused_until = now + ACCEPT_PAUSE_S
-        if self._due is None or self._accept_paused_until < self._due:
-            self._due = self._accept_paused_until
+        if self.due is None or self._accept_paused_until < self.due:
+            self.due = self._accept_paused_until
         if now < self._emfile_log_at:
             self._emfile_unlogged += 1
             return
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         log.error("cannot accept connections: %s (%d clients connected, open-files limit %d); new clients wait in "
                   "the listen backlog, accepting again every %s (this line repeats at most every %s; %d more "
-                  "times since the last one)", exc.strerror, len(self.conns) + len(self._admitting), soft,
+                  "times since the last one)", exc.strerror, len(self.conns) + len(self.admitting), soft,
                   format_duration(ACCEPT_PAUSE_S), format_duration(EMFILE_LOG_INTERVAL_S), self._emfile_unlogged)
         self._emfile_log_at = now + EMFILE_LOG_INTERVAL_S
         self._emfile_unlogged = 0
 
-    def _close(self, conn: Connection, ep, reason: str, level: Optional[int] = logging.WARNING,
-               reply: bytes = b"") -> None:
+    def close(self, conn: Connection, reason: str, level: Optional[int] = logging.WARNING,
+              reply: bytes = b"") -> None:
         """Close ``conn``; log ``reason`` at ``level`` (None: not at all; "disconnected" and
         INFO: only when the server logs connections; a WARNING once per address per interval,
         refusals.py), then send (best effort) the replies its earlier requests of this turn
@@ -290,12 +415,12 @@ class Intake:
         self.state.cancel(conn)
         if self.conns.pop(conn.fd, None) is not None:
             _count(self._hosts, conn.host, -1)
-        elif self._admitting.pop(conn.fd, None) is not None:
-            _count(self._admitting_hosts, conn.host, -1)
-        self.buffered -= conn.buffered
-        conn.buffered = 0
+        elif self.admitting.pop(conn.fd, None) is not None:
+            self.strangers.remove(conn)
+            self._dropped.pop(conn, None)
+        self.budget.discharge(conn)
         try:
-            ep.unregister(conn.fd)
+            self.ep.unregister(conn.fd)
         except (OSError, ValueError):
             pass
         if level is not None:  # log first: the log line should exist by the time the client sees EOF
@@ -309,7 +434,7 @@ class Intake:
                     self._log_refusal(conn.host, f"client {conn.peer} {reason}", reason, level=logging.INFO)
             else:
                 self._log_refusal(conn.host, f"closed connection of client {conn.peer}: {reason} "
-                                             f"({len(self.conns) + len(self._admitting)} open)", reason, level)
+                                             f"({len(self.conns) + len(self.admitting)} open)", reason, level)
         if parting and level is not None:
             # Unread input would make close() send a reset, which can destroy what was sent
             # before the peer reads it: drain what arrived (bounded), then send.

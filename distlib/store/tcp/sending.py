@@ -1,8 +1,10 @@
 """How replies go out: at the end of each loop turn, one send per connection; what the kernel
 does not take waits (backpressure), counted against the memory budget.
 
-A part of ``StoreServer`` (server.py), as a base class: these methods use the server's
-``_dirty``/``_unread`` lists, its batch path and its ``_charge``/``_check_budget``/``_close``.
+``ReplySender`` is one object of the server (server.py), given what it uses: the epoll
+object, the memory budget, the batch path (its helper threads send large turns) and three
+calls back to the server: ``close`` a connection whose send failed, ``enforce_budget`` after
+unsent replies grew, and ``on_drained`` when a paused connection may run and read again.
 
 * **Replies go out at the end of the loop turn**, one send per connection, the replies a
   connection's own requests produced and the wake-ups other requests caused alike
@@ -18,8 +20,10 @@ from __future__ import annotations
 import collections
 import errno
 from itertools import islice
-from typing import Deque, List, Optional
+from typing import Callable, Deque, List, Optional
 
+from .batch import BatchPath
+from .budget import MemoryBudget
 from .connection import CONN_EVENTS, IOV_MAX, PAUSED_EVENTS, Connection
 
 #: A turn with at least this many connections to answer sends through batch.send_replies.
@@ -27,17 +31,28 @@ FLUSH_BATCH_MIN = 16
 
 
 class ReplySender:
-    """Sending replies (a base class of ``StoreServer``)."""
+    """Sending the replies of a store server's connections."""
 
-    def _flush(self, ep) -> None:
-        """Send every reply this loop turn produced, one send per connection.
+    def __init__(self, ep, budget: MemoryBudget, batch: Optional[BatchPath],
+                 close: Callable[[Connection, str], None], enforce_budget: Callable[[], None],
+                 on_drained: Callable[[Connection], None]):
+        self.ep = ep
+        self.budget = budget
+        self.batch = batch
+        self.close = close
+        self.enforce_budget = enforce_budget
+        self.on_drained = on_drained
+
+    def flush(self, answered: List[Connection]) -> None:
+        """Send every reply this loop turn produced (the connections ``answered`` lists, which
+        is emptied), one send per connection.
 
         Replies go out at the end of the turn, not right after each read: a client process
         with many connections (a load generator, a proxy) then finds a burst of replies when
         it wakes, instead of being woken once per reply. A single client's request is the
         only event of its turn, so it waits for nothing.
         """
-        dirty, self._dirty = self._dirty, []
+        dirty = answered
         if self.batch is not None and len(dirty) >= FLUSH_BATCH_MIN:
             dirty = self._flush_batch(dirty)
         for conn in dirty:
@@ -55,9 +70,10 @@ class ReplySender:
                     continue
                 if sent is not None:  # the kernel took part of it
                     conn.out = []
-                    self._send_parts(conn, ep, out, sent)
+                    self._send_parts(conn, out, sent)
                     continue
-            self._send(conn, ep)
+            self._send(conn)
+        answered.clear()  # (sending adds nobody to it)
 
     def _flush_batch(self, dirty: List[Connection]) -> List[Connection]:
         """Send the single replies of a large turn with ``batch.send_replies``; return the
@@ -76,7 +92,7 @@ class ReplySender:
         rest += self.batch.send_replies(conns, replies)
         return rest
 
-    def _send(self, conn: Connection, ep) -> None:
+    def _send(self, conn: Connection) -> None:
         """Send ``conn.out``, joined into one send (the usual case: small parts, cheaper than
         sendmsg); the rest is ``_send_parts``."""
         out = conn.out
@@ -88,19 +104,19 @@ class ReplySender:
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:
-                self._close(conn, ep, _send_failure(exc))
+                self.close(conn, _send_failure(exc))
                 return
             if sent == len(data):
                 if conn.paused:  # it stopped running requests to let these out: go on
                     conn.paused = False
-                    self._unread.append(conn)
+                    self.on_drained(conn)
                 return
             out = [data]
         else:
             sent = None
-        self._send_parts(conn, ep, out, sent)
+        self._send_parts(conn, out, sent)
 
-    def _send_parts(self, conn: Connection, ep, out: List[bytes], sent: Optional[int]) -> None:
+    def _send_parts(self, conn: Connection, out: List[bytes], sent: Optional[int]) -> None:
         """Send ``out`` with sendmsg, the stored values it carries by reference not copied
         (``sent``: bytes of it a send already took); what the kernel does not take waits in
         ``conn.pending``, and the connection is not read until it is out (backpressure)."""
@@ -109,8 +125,8 @@ class ReplySender:
             conn.pending.extend(out)
             own = _own_bytes(out)
             conn.pending_own += own
-            self._charge(conn, own)
-            self._check_budget(ep)
+            self.budget.charge(conn, own)
+            self.enforce_budget()
             return
         total = sum(map(len, out))
         if sent is None:
@@ -119,25 +135,25 @@ class ReplySender:
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:
-                self._close(conn, ep, _send_failure(exc))
+                self.close(conn, _send_failure(exc))
                 return
         if sent == total:
             if conn.paused:
                 conn.paused = False
-                self._unread.append(conn)
+                self.on_drained(conn)
             return
         conn.pending_own = _own_bytes(out)  # (counted whole until all is out)
-        self._charge(conn, conn.pending_own)
+        self.budget.charge(conn, conn.pending_own)
         pending = collections.deque(out)
         _drop_front(pending, sent)
         conn.pending = pending
         conn.paused = True
-        ep.modify(conn.fd, PAUSED_EVENTS)
-        self._flush_pending(conn, ep)  # more than IOV_MAX parts: the socket may take more
+        self.ep.modify(conn.fd, PAUSED_EVENTS)
+        self.flush_pending(conn)  # more than IOV_MAX parts: the socket may take more
         if not conn.closed:
-            self._check_budget(ep)
+            self.enforce_budget()
 
-    def _flush_pending(self, conn: Connection, ep) -> None:
+    def flush_pending(self, conn: Connection) -> None:
         """Send what waits in ``conn.pending``; when all is out, read the connection again."""
         pending = conn.pending
         if pending is None:
@@ -150,16 +166,16 @@ class ReplySender:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self._close(conn, ep, _send_failure(exc))
+                self.close(conn, _send_failure(exc))
                 return
             _drop_front(pending, sent)  # (a partial send is not "full": TLS takes 256 KiB a call)
         conn.pending = None
-        self._charge(conn, -conn.pending_own)
+        self.budget.charge(conn, -conn.pending_own)
         conn.pending_own = 0
-        ep.modify(conn.fd, CONN_EVENTS)
+        self.ep.modify(conn.fd, CONN_EVENTS)
         if conn.paused:
             conn.paused = False
-            self._unread.append(conn)
+            self.on_drained(conn)
 
 
 

@@ -12,8 +12,9 @@ The loop hands a connection over right after accept (``submit``) and does not to
 the thread hands it back (``finished``, then the loop's wake-up callback): with the
 handshake done (the connection's next step set by admission.py, the token's challenge
 queued), or with the ``Refused`` that the loop logs and closes it with. A connection still in
-its handshake at its admission deadline is handed back refused. Only the TLS steps run here;
-the token's exchange and VALIDATE are cheap and stay on the loop.
+its handshake at its admission deadline is handed back refused, and so is one the loop
+``drop``s (a stranger that must make room, or that did not prove itself in time: intake.py).
+Only the TLS steps run here; the token's exchange and VALIDATE are cheap and stay on the loop.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class TlsHandshakes:
         self.wake = wake
         self.finished: Deque[Finished] = collections.deque()
         self._incoming: Deque = collections.deque()
+        self._dropping: Deque[Finished] = collections.deque()  # (conn, why), from the loop
         self._conns: Dict[int, object] = {}
         self._by_deadline: Deque = collections.deque()  # in submission order: deadlines ascend
         self._ep = select.epoll()
@@ -55,6 +57,12 @@ class TlsHandshakes:
     def submit(self, conn) -> None:
         """Take ``conn`` (accepted, its gate at the TLS step) through its handshake."""
         self._incoming.append(conn)
+        self._poke()
+
+    def drop(self, conn, refusal: Refused) -> None:
+        """Hand ``conn`` back with ``refusal`` if it is still in its handshake (from the loop;
+        a connection already handed back is not handed back twice)."""
+        self._dropping.append((conn, refusal))
         self._poke()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -94,6 +102,10 @@ class TlsHandshakes:
                 self._by_deadline.append(conn)
                 self._ep.register(conn.fd, select.EPOLLIN)
                 self._step(conn)
+            while self._dropping:
+                conn, refusal = self._dropping.popleft()
+                if conns.get(conn.fd) is conn:
+                    self._finish(conn, refusal)
             self._expire()
 
     def _timeout(self) -> float:
