@@ -1,4 +1,5 @@
-"""Fixtures of the platform tests: real hosts in VMs (vm.py) and, on them, real NFS (vm_nfs.py).
+"""Fixtures of the platform tests: real hosts in VMs (tests/support/vm.py) and, on them,
+real NFS (tests/support/vm_nfs.py).
 
     vm_image   (session) the cached VM image (build-vm-image.sh: minutes once, then instant)
     nfs_hosts  (package) the kernel NFS server VM, 3 client VMs and a spare (for the test that
@@ -20,8 +21,8 @@ import pytest
 
 from tests.support import settings
 
-from . import vm as vm_module
-from . import vm_nfs
+from tests.support import vm as vm_module
+from tests.support import vm_nfs
 
 
 def _unavailable(reason: str) -> None:

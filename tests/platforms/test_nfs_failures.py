@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from .vm import VMError
-from .vm_nfs import GUEST_NFS, LEASE_S, script, spawn_script, spawned_result, wait_for_marker
+from tests.support.vm import VMError
+from tests.support.vm_nfs import GUEST_NFS, LEASE_S, script, spawn_script, spawned_result, wait_for_marker
 
 # the first test also waits for the VM image (minutes, once per machine) and the boot
 pytestmark = [pytest.mark.containers, pytest.mark.vms, pytest.mark.timeout(1800)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .vm_nfs import script, side_by_side
+from tests.support.vm_nfs import script, side_by_side
 
 # the first test also waits for the VM image (minutes, once per machine) and the boot
 pytestmark = [pytest.mark.containers, pytest.mark.vms, pytest.mark.timeout(1800)]

@@ -1,4 +1,4 @@
-"""The VM plumbing's parts that need no VM (tests/platforms/vm.py, vm_kernel.py): the LAN
+"""The VM plumbing's parts that need no VM (tests/support/vm.py, vm_kernel.py): the LAN
 switch, the orphan sweep, the kernel unpacking. Fast; the VMs themselves are exercised by the
 NFS tests beside this file."""
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from . import vm
-from .vm_kernel import extract
+from tests.support import vm
+from tests.support.vm_kernel import extract
 
 
 def _frame(dst: bytes, src: bytes, payload: bytes) -> bytes:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
 
-from .vm import REPO_ROOT, VM, Fleet, Image, VMError
+from tests.support.vm import REPO_ROOT, VM, Fleet, Image, VMError
 
 T = TypeVar("T")
 
@@ -247,7 +247,7 @@ def start(image: Image, clients: int = 3, spares: int = 0,
     with contextlib.ExitStack() as stack:
         if ganesha_image:
             Ganesha.sweep_orphans()
-            from .vm import _free_port
+            from tests.support.vm import _free_port
 
             ganesha = Ganesha(ganesha_image, _free_port())
             ganesha.build_image()
