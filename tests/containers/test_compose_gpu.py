@@ -21,7 +21,7 @@ from distlib_deploy.cluster.config import LABEL
 from distlib.command import ToolError
 from distlib_deploy.jobs.compose_node import gpu_slice
 
-from .test_compose_cluster import IMPLS, need_compose, run_cluster
+from tests.support.compose import IMPLS, need_compose, run_cluster
 
 
 def merged(tmp_path, impl: str, **env: str) -> dict:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.fixtures.docker import exec_text, idle_container, run_build_script, run_default_command
 
-from .test_image import VENV, repo_version, working_tree_sources
+from tests.support.image_contents import VENV, repo_version, working_tree_sources
 
 pytestmark = pytest.mark.containers
 

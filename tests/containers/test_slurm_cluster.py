@@ -1,4 +1,4 @@
-"""distlib under a real Slurm 22.05 cluster in containers (tests/platforms/slurm.py): 2 nodes,
+"""distlib under a real Slurm 22.05 cluster in containers (tests/support/slurm.py): 2 nodes,
 jobs submitted from the controller as the image's user.
 
 * `srun -N2 -n4 python -c 'init_process_group(); all_reduce'`: 4 ranks, nothing set by hand;
@@ -19,7 +19,6 @@ import pytest
 
 from distlib.slurm import hostlist
 from distlib.slurm.step import port_for
-from tests.platforms.slurm import slurm_cluster, slurm_image  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(600)]
 

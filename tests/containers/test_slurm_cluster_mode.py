@@ -17,9 +17,8 @@ import yaml
 
 from distlib_deploy.cluster import engine, slurm
 from distlib_deploy.cluster.slurm_node import batch_script, node_names, slurm_conf
-from tests.containers.test_compose_cluster import (IMPLS, check_the_run_used_its_token, cluster_state,  # noqa: F401
-                                                   leftovers, need_compose, project_of, read_only_mount, run_cluster)
-from tests.platforms.slurm import slurm_image  # noqa: F401 - fixture
+from tests.support.cluster_token import check_the_run_used_its_token
+from tests.support.compose import IMPLS, leftovers, need_compose, project_of, read_only_mount, run_cluster
 
 MUNGE_TARGET = "/run/secrets/distlib/munge.key"
 

@@ -1,6 +1,6 @@
 """A real Slurm 22.05 cluster in containers, for tests: slurmctld and N slurmd nodes.
 
-Fixtures (import them into a test module):
+Fixtures (tests/containers/conftest.py offers them to the container tests):
     slurm_image    (session) the Slurm image (docker/slurm/Dockerfile) on the session's distlib
                    image: built by docker/build-slurm-image.sh (seconds when up to date), or the
                    image named by DISTLIB_TEST_SLURM_IMAGE (then nothing is built).
