@@ -20,7 +20,7 @@ import pytest
 from distlib.slurm import hostlist
 from distlib.slurm.step import port_for
 
-pytestmark = [pytest.mark.containers, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
 #: Each task: join through env:// with nothing passed, all_reduce rank+1, say who it is.
 ALL_REDUCE = r"""

@@ -112,7 +112,7 @@ def test_a_munge_key_per_run(tmp_path):
 # -- real runs --------------------------------------------------------------------------------------
 
 
-@pytest.mark.containers
+@pytest.mark.slurm
 def test_cluster_up_slurm_runs_the_job_through_sbatch_and_reports(slurm_image, docker_client, cluster_state):
     """2 slurmd nodes x 2 tasks: `up` exits 0 and prints the report; the ranks met through env://
     at the first node with the port of the job id; every container held the run's token and
@@ -162,7 +162,7 @@ for _ in range(1000):
 """
 
 
-@pytest.mark.containers
+@pytest.mark.slurm
 def test_cluster_up_slurm_names_the_rank_that_died(slurm_image, docker_client, cluster_state, tmp_path):
     """A user's JOB (its directory mounted on the nodes as the tasks' working directory) whose
     rank 1 exits: `up` fails with the job's status and names rank 1, where srun ran it."""

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support import kube_stand_ins
 from tests.support import kube as kube_cluster  # (the fixture below is `kube`)
-from tests.support import settings
+from tests.support.lanes import unavailable
 
 from ._chart import CHART_DIR, WANTED_KUBE_VERSIONS
 
@@ -60,12 +60,6 @@ def kube_versions(kubernetes_validate: Any) -> list[str]:
     return versions
 
 
-def _unavailable(reason: str) -> None:
-    if settings.require_docker():
-        pytest.fail(f"{reason} (DISTLIB_REQUIRE_DOCKER=1: the real-cluster tests must run)", pytrace=False)
-    pytest.skip(reason)
-
-
 @dataclass
 class Kube:
     """The running cluster and its two stand-ins."""
@@ -90,9 +84,9 @@ def kube(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """Kubernetes 1.20 (etcd, apiserver, controller-manager, scheduler, kubelet) on 127.0.0.1,
     built once into settings.cache_dir() (tests/platforms/build-kube.sh, 7-11 min cold)."""
     if shutil.which("apt-get") is None or not os.path.exists("/proc/self/mountinfo"):
-        _unavailable("the real-cluster tests need a Debian Linux host (apt-get) to build Kubernetes")
+        unavailable("the real-cluster tests need a Debian Linux host (apt-get) to build Kubernetes", "kube")
     if os.geteuid() != 0:
-        _unavailable("the kubelet needs root (mounts, the Docker socket)")
+        unavailable("the kubelet needs root (mounts, the Docker socket)", "kube")
     try:
         build = kube_cluster.build()
     except kube_cluster.KubeError as exc:

@@ -26,7 +26,7 @@ import pytest
 from . import _lane
 from ._chart import RELEASE, flags
 
-pytestmark = [pytest.mark.containers, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(480)]
 
 CLAIM = "shared-rwx"
 EPOCHS = 2

@@ -19,24 +19,18 @@ import shutil
 
 import pytest
 
-from tests.support import settings
+from tests.support.lanes import unavailable
 
 from tests.support import vm as vm_module
 from tests.support import vm_nfs
 
 
-def _unavailable(reason: str) -> None:
-    if settings.require_docker():
-        pytest.fail(f"{reason} (DISTLIB_REQUIRE_DOCKER=1: the platform tests must run)", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def vm_image() -> vm_module.Image:
     if not os.path.exists("/proc/self/mountinfo") or shutil.which("apt-get") is None:
-        _unavailable("the VM tests need a Debian Linux host (apt-get) to build their image")
+        unavailable("the VM tests need a Debian Linux host (apt-get) to build their image", "vms")
     if os.geteuid() != 0 and not any(vm_module.CACHE.glob("nfs-vm/image-*/image.env")):
-        _unavailable("building the VM image needs root (debootstrap) once")
+        unavailable("building the VM image needs root (debootstrap) once", "vms")
     try:
         return vm_module.ensure_image("nfs-vm")
     except vm_module.VMError as exc:

@@ -15,7 +15,7 @@ from tests.support.vm import VMError
 from tests.support.vm_nfs import GUEST_NFS, LEASE_S, script, spawn_script, spawned_result, wait_for_marker
 
 # the first test also waits for the VM image (minutes, once per machine) and the boot
-pytestmark = [pytest.mark.containers, pytest.mark.vms, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vms, pytest.mark.timeout(1800)]
 
 LAN = {"GLOO_SOCKET_IFNAME": "eth1"}
 

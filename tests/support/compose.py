@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 from distlib_deploy.cluster import engine, state
 from tests.fixtures.docker import REPO_ROOT
 from tests.support import settings
+from tests.support.lanes import unavailable
 
 
 def compose_implementations() -> Dict[str, List[str]]:
@@ -51,9 +52,7 @@ def need_compose() -> None:
     """Skip without Compose; under DISTLIB_REQUIRE_DOCKER=1 (CI) fail instead."""
     if IMPLS:
         return
-    from tests.fixtures.docker import _unavailable
-
-    _unavailable("neither `docker compose` (v2) nor `docker-compose` is installed")
+    unavailable("neither `docker compose` (v2) nor `docker-compose` is installed", "containers")
 
 
 CLUSTER_VARIABLES = ("MODE", "NODES", "NPROC_PER_NODE", "JOB", "JOB_DIR", "JOB_ARGS", "JOB_MODULE", "NFS_SERVER",
