@@ -381,6 +381,8 @@ def test_cluster_up_tcp_runs_the_job_and_reports(impl, distlib_image, docker_cli
     check_the_run_used_its_token(proc, docker_client, cluster_state, project, "tcp")
     check_the_master_requires_the_token(docker_client, project)
 
+    before = leftovers(docker_client, project)  # what `down` must remove is there
+    assert any(x.startswith("container ") for x in before) and any(x.startswith("network ") for x in before), before
     down = run_cluster("down", cluster_state, compose=IMPLS[impl])
     assert down.returncode == 0, down.stderr
     assert leftovers(docker_client, project) == []
@@ -593,6 +595,8 @@ def test_cluster_up_mpi_runs_the_job_under_mpirun_on_distinct_hosts(distlib_imag
     check_the_run_used_its_token(proc, docker_client, cluster_state, project, "mpi")
     assert "-x DISTLIB_AUTH_TOKEN_FILE" in launcher_log, launcher_log  # mpirun passes it on to the ranks
 
+    before = leftovers(docker_client, project)  # what `down` must remove is there
+    assert any(x.startswith("container ") for x in before) and any(x.startswith("network ") for x in before), before
     down = run_cluster("down", cluster_state)
     assert down.returncode == 0, down.stderr
     assert leftovers(docker_client, project) == []

@@ -142,7 +142,9 @@ def test_cluster_up_slurm_runs_the_job_through_sbatch_and_reports(slurm_image, d
     check_the_run_used_its_token(proc, docker_client, cluster_state, project, "slurm")
     key = cluster_state / project / "munge" / "munge.key"
     assert len(key.read_bytes()) == 1024
-    for container in engine.project_containers(docker_client, project):
+    containers = engine.project_containers(docker_client, project)
+    assert containers, f"no container of {project} left to look at (nor for `down` to remove)"
+    for container in containers:
         mounts = [m for m in container.attrs["Mounts"] if m["Destination"] == MUNGE_TARGET]
         assert [(m["Source"], m["RW"]) for m in mounts] == [(str(key), False)], container.name
     down = run_cluster("down", cluster_state)

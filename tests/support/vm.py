@@ -124,6 +124,10 @@ class Switch:
         self.thread = threading.Thread(target=self._loop, name="vm-switch", daemon=True)
         self.thread.start()
 
+    def connected(self) -> int:
+        """How many ports are connected (accepted by the switch's thread)."""
+        return len(self.buffers)
+
     def _drop(self, conn: socket.socket) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn)
