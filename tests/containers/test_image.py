@@ -318,7 +318,9 @@ def test_the_offline_step_lays_out_a_context_shaped_like_the_repository(image):
     assert done.stdout == ""  # logs on stderr only
     context = REPO_ROOT / ".build" / "image-context"
     wheels = context / "docker" / "offline" / "wheels"
-    assert (wheels / "app" / "requirements.txt").read_text().strip() == f"distlib_c10d=={repo_version()}"
+    # the library's wheel and the deployment's (the jobs the image runs)
+    assert sorted((wheels / "app" / "requirements.txt").read_text().split()) == [
+        f"distlib_c10d=={repo_version()}", f"distlib_c10d_deploy=={repo_version('deploy')}"]
     deps = (wheels / "deps" / "requirements.txt").read_text().split()
     assert any(d.startswith("numpy==") for d in deps), deps
     for rel, digest in working_tree_sources().items():

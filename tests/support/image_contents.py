@@ -14,9 +14,10 @@ VENV = "/opt/distlib"
 DIST_NAME = "distlib-c10d"
 
 
-def repo_version() -> str:
-    """[project] version of pyproject.toml (a regex: Python 3.10 has no tomllib)."""
-    return re.search(r'^version = "([^"]+)"', (REPO_ROOT / "pyproject.toml").read_text(), re.M).group(1)
+def repo_version(package: str = ".") -> str:
+    """[project] version of the pyproject.toml in ``package`` (".": the library's; "deploy": the
+    deployment's, which the images carry too) (a regex: Python 3.10 has no tomllib)."""
+    return re.search(r'^version = "([^"]+)"', (REPO_ROOT / package / "pyproject.toml").read_text(), re.M).group(1)
 
 
 def working_tree_sources() -> dict[str, str]:
