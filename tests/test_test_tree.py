@@ -158,3 +158,5 @@ def test_make_test_unit_leaves_out_every_lane_that_needs_docker_or_vms():
     recipe = re.search(r"^test-unit:.*\n\t(.*)$", makefile, re.M).group(1)
     assert f'-m "{unit_selection()}"' in recipe, recipe
     assert unit_selection() == "not containers and not vms and not kube and not slurm"
+    readme = (ROOT / "README.md").read_text()
+    assert f'`-m "{unit_selection()}"' in readme, "README's `make test-unit` sentence names another selection"

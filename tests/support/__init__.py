@@ -2,6 +2,7 @@
 another (tests/test_test_tree.py holds that):
 
     settings.py        the suite's DISTLIB_* switches
+    lanes.py           the lanes, one marker each, and the check that holds each test to its own
     compose.py         the Compose cluster driven from a test (its implementations, `run_cluster`)
     cluster_token.py   what every cluster run must show about its token
     image_contents.py  what the distlib images must hold, read from the working tree
