@@ -56,9 +56,11 @@ host-tools:
 test: venv host-tools kube-build
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The suite without Docker, torch or a GPU: the quick loop while developing.
+# The suite without Docker, VMs, torch or a GPU: the quick loop while developing. Every lane that
+# needs Docker or VMs is left out by its marker (tests/support/lanes.py: tests/test_test_tree.py
+# checks this line); the torch and GPU lanes skip by themselves.
 test-unit: venv
-	$(PY) -m pytest -m "not containers" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not containers and not vms and not kube and not slurm" $(PYTEST_ARGS)
 
 # torch 2.13 is large (about 5 GB with its CUDA wheels): it lives in its own environment outside
 # the clone, installed once and reused by every later run and clone. distlib is not installed

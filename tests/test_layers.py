@@ -7,7 +7,7 @@ keeps the map and the tree from drifting apart.
 
 from typing import Dict, Optional
 
-from tests.test_imports import import_graph
+from tests.support.import_graph import import_graph
 
 #: Layer of each module, by the longest matching name prefix; higher numbers sit above.
 LAYERS: Dict[str, int] = {

@@ -3,22 +3,7 @@
 import pytest
 
 from . import cases
-
-EXPECTED_TEXT = {
-    "non_contiguous": "not contiguous",
-    "object_dtype": "dtype object",
-    "not_array": "numpy array",
-    "bitwise_on_float": "bitwise",
-    "avg_on_int": "floating-point",
-    "min_on_complex": "complex",
-    "list_length": "one per rank",
-    "list_dtype": "dtype",
-    "rank_out_of_range": "not part of group",
-    "output_size": "world_size x input",
-    "read_only": "read-only",
-    "send_to_self": "self",
-    "splits": "entries",
-}
+from .bad_input_texts import EXPECTED_TEXT
 
 
 def test_bad_input_errors_name_the_problem(pool):

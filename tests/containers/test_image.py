@@ -30,37 +30,12 @@ from tests.fixtures.docker import (
     run_default_command,
     temp_image_tag,
 )
+from tests.support.image_contents import DIST_NAME, VENV, repo_version, working_tree_sources
 
 pytestmark = pytest.mark.containers
 
-VENV = "/opt/distlib"
-DIST_NAME = "distlib-c10d"
 # A guard against accidental growth (today: ~215 MB on the debootstrap base).
 SIZE_BUDGET_BYTES = 350_000_000
-
-
-def repo_version() -> str:
-    """[project] version of pyproject.toml (a regex: Python 3.10 has no tomllib)."""
-    return re.search(r'^version = "([^"]+)"', (REPO_ROOT / "pyproject.toml").read_text(), re.M).group(1)
-
-
-def working_tree_sources() -> dict[str, str]:
-    """sha256 of every .py file of the distlib package in the working tree (tracked, or untracked
-    and not ignored: what build-image.sh puts in the wheel), keyed by path below distlib/."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "distlib"],
-            check=True, capture_output=True,
-        ).stdout.decode()
-        paths = [p for p in out.split("\0") if p]
-    except (OSError, subprocess.CalledProcessError):
-        paths = [str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "distlib").rglob("*.py")]
-    result = {}
-    for rel in paths:
-        path = REPO_ROOT / rel
-        if rel.endswith(".py") and path.is_file():
-            result[rel[len("distlib/"):]] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -343,10 +318,9 @@ def test_the_offline_step_lays_out_a_context_shaped_like_the_repository(image):
     assert done.stdout == ""  # logs on stderr only
     context = REPO_ROOT / ".build" / "image-context"
     wheels = context / "docker" / "offline" / "wheels"
-    deploy_version = re.search(r'^version = "([^"]+)"', (REPO_ROOT / "deploy" / "pyproject.toml").read_text(),
-                               re.M).group(1)
-    assert set((wheels / "app" / "requirements.txt").read_text().split()) == {
-        f"distlib_c10d=={repo_version()}", f"distlib_c10d_deploy=={deploy_version}"}
+    # the library's wheel and the deployment's (the jobs the image runs)
+    assert sorted((wheels / "app" / "requirements.txt").read_text().split()) == [
+        f"distlib_c10d=={repo_version()}", f"distlib_c10d_deploy=={repo_version('deploy')}"]
     deps = (wheels / "deps" / "requirements.txt").read_text().split()
     assert any(d.startswith("numpy==") for d in deps), deps
     for rel, digest in working_tree_sources().items():

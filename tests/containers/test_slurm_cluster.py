@@ -1,4 +1,4 @@
-"""distlib under a real Slurm 22.05 cluster in containers (tests/platforms/slurm.py): 2 nodes,
+"""distlib under a real Slurm 22.05 cluster in containers (tests/support/slurm.py): 2 nodes,
 jobs submitted from the controller as the image's user.
 
 * `srun -N2 -n4 python -c 'init_process_group(); all_reduce'`: 4 ranks, nothing set by hand;
@@ -19,9 +19,8 @@ import pytest
 
 from distlib.slurm import hostlist
 from distlib.slurm.step import port_for
-from tests.platforms.slurm import slurm_cluster, slurm_image  # noqa: F401 - fixtures
 
-pytestmark = [pytest.mark.containers, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
 #: Each task: join through env:// with nothing passed, all_reduce rank+1, say who it is.
 ALL_REDUCE = r"""

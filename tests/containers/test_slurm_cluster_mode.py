@@ -17,9 +17,8 @@ import yaml
 
 from distlib_deploy.cluster import engine, slurm
 from distlib_deploy.cluster.slurm_node import batch_script, node_names, slurm_conf
-from tests.containers.test_compose_cluster import (IMPLS, check_the_run_used_its_token, cluster_state,  # noqa: F401
-                                                   leftovers, need_compose, project_of, read_only_mount, run_cluster)
-from tests.platforms.slurm import slurm_image  # noqa: F401 - fixture
+from tests.support.cluster_token import check_the_run_used_its_token
+from tests.support.compose import IMPLS, leftovers, need_compose, project_of, read_only_mount, run_cluster
 
 MUNGE_TARGET = "/run/secrets/distlib/munge.key"
 
@@ -113,7 +112,7 @@ def test_a_munge_key_per_run(tmp_path):
 # -- real runs --------------------------------------------------------------------------------------
 
 
-@pytest.mark.containers
+@pytest.mark.slurm
 def test_cluster_up_slurm_runs_the_job_through_sbatch_and_reports(slurm_image, docker_client, cluster_state):
     """2 slurmd nodes x 2 tasks: `up` exits 0 and prints the report; the ranks met through env://
     at the first node with the port of the job id; every container held the run's token and
@@ -143,7 +142,9 @@ def test_cluster_up_slurm_runs_the_job_through_sbatch_and_reports(slurm_image, d
     check_the_run_used_its_token(proc, docker_client, cluster_state, project, "slurm")
     key = cluster_state / project / "munge" / "munge.key"
     assert len(key.read_bytes()) == 1024
-    for container in engine.project_containers(docker_client, project):
+    containers = engine.project_containers(docker_client, project)
+    assert containers, f"no container of {project} left to look at (nor for `down` to remove)"
+    for container in containers:
         mounts = [m for m in container.attrs["Mounts"] if m["Destination"] == MUNGE_TARGET]
         assert [(m["Source"], m["RW"]) for m in mounts] == [(str(key), False)], container.name
     down = run_cluster("down", cluster_state)
@@ -163,7 +164,7 @@ for _ in range(1000):
 """
 
 
-@pytest.mark.containers
+@pytest.mark.slurm
 def test_cluster_up_slurm_names_the_rank_that_died(slurm_image, docker_client, cluster_state, tmp_path):
     """A user's JOB (its directory mounted on the nodes as the tasks' working directory) whose
     rank 1 exits: `up` fails with the job's status and names rank 1, where srun ran it."""

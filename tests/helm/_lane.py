@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import _kube
+from tests.support import kube as kube_cluster  # (`kube` is the fixture's name)
 from ._chart import RELEASE
 
 # The Job's deadline in the failure cases, and the longest any job of these tests may take.
@@ -72,7 +72,7 @@ def image_values(image: str) -> dict[str, str]:
 @contextlib.contextmanager
 def namespace(kube: Any) -> Iterator[str]:
     """A namespace of its own per test (part of every DNS name), deleted with its pods after."""
-    ns = kube.cluster.namespace(f"{_kube.NAMESPACE_PREFIX}{uuid.uuid4().hex[:8]}")
+    ns = kube.cluster.namespace(f"{kube_cluster.NAMESPACE_PREFIX}{uuid.uuid4().hex[:8]}")
     try:
         yield ns
     finally:
@@ -156,7 +156,7 @@ def wait_job(kube: Any, ns: str, name: str, timeout_s: float = JOB_TIMEOUT_S) ->
         if cond:
             break
         if time.monotonic() - started > timeout_s:
-            raise _kube.KubeError(f"Job {ns}/{name} neither Complete nor Failed after {timeout_s:.0f} s; "
+            raise kube_cluster.KubeError(f"Job {ns}/{name} neither Complete nor Failed after {timeout_s:.0f} s; "
                                   f"status {job.get('status')}; pods:\n{describe(kube, ns)}")
         time.sleep(0.5)
     by_index: dict[int, dict[str, Any]] = {}

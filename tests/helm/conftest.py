@@ -1,6 +1,7 @@
 """Fixtures of the Helm chart tests: the chart loaded once with Helm's engine, the
 Kubernetes versions the rendered manifests are validated against, and a real Kubernetes 1.20
-cluster on this machine (``kube``: _kube.py, with the two stand-ins of _pods.py) the chart is
+cluster on this machine (``kube``: tests/support/kube.py, with the two stand-ins of
+tests/support/kube_stand_ins.py) the chart is
 installed into.
 
 helm-python-sdk and kubernetes-validate come with the test extras (pip install -e '.[test]');
@@ -17,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.support import settings
+from tests.support import kube_stand_ins
+from tests.support import kube as kube_cluster  # (the fixture below is `kube`)
+from tests.support.lanes import unavailable
 
-from . import _kube, _pods
 from ._chart import CHART_DIR, WANTED_KUBE_VERSIONS
 
 
@@ -58,22 +60,16 @@ def kube_versions(kubernetes_validate: Any) -> list[str]:
     return versions
 
 
-def _unavailable(reason: str) -> None:
-    if settings.require_docker():
-        pytest.fail(f"{reason} (DISTLIB_REQUIRE_DOCKER=1: the real-cluster tests must run)", pytrace=False)
-    pytest.skip(reason)
-
-
 @dataclass
 class Kube:
     """The running cluster and its two stand-ins."""
 
-    cluster: _kube.Cluster
-    jobs: _pods.IndexedJobs
-    dns: _pods.ClusterDNS
+    cluster: kube_cluster.Cluster
+    jobs: kube_stand_ins.IndexedJobs
+    dns: kube_stand_ins.ClusterDNS
 
     @property
-    def api(self) -> _kube.Api:
+    def api(self) -> kube_cluster.Api:
         return self.cluster.api
 
     def check(self) -> None:
@@ -88,16 +84,16 @@ def kube(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """Kubernetes 1.20 (etcd, apiserver, controller-manager, scheduler, kubelet) on 127.0.0.1,
     built once into settings.cache_dir() (tests/platforms/build-kube.sh, 7-11 min cold)."""
     if shutil.which("apt-get") is None or not os.path.exists("/proc/self/mountinfo"):
-        _unavailable("the real-cluster tests need a Debian Linux host (apt-get) to build Kubernetes")
+        unavailable("the real-cluster tests need a Debian Linux host (apt-get) to build Kubernetes", "kube")
     if os.geteuid() != 0:
-        _unavailable("the kubelet needs root (mounts, the Docker socket)")
+        unavailable("the kubelet needs root (mounts, the Docker socket)", "kube")
     try:
-        build = _kube.build()
-    except _kube.KubeError as exc:
+        build = kube_cluster.build()
+    except kube_cluster.KubeError as exc:
         pytest.fail(str(exc), pytrace=False)
-    with _kube.start(build, tmp_path_factory.mktemp("kube"), docker_client) as cluster:
-        dns = _pods.ClusterDNS(cluster.api, cluster.dns_ip).start()
-        jobs = _pods.IndexedJobs(cluster.api).start()
+    with kube_cluster.start(build, tmp_path_factory.mktemp("kube"), docker_client) as cluster:
+        dns = kube_stand_ins.ClusterDNS(cluster.api, cluster.dns_ip).start()
+        jobs = kube_stand_ins.IndexedJobs(cluster.api).start()
         try:
             yield Kube(cluster, jobs, dns)
         finally:

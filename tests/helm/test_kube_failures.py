@@ -23,7 +23,7 @@ import pytest
 from . import _lane
 from ._chart import RELEASE
 
-pytestmark = [pytest.mark.containers, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(480)]
 
 JOB = f"{RELEASE}-distlib-workers"
 MASTER_ENDPOINT = "{release}-distlib-master.{ns}.svc.cluster.local:29500"

@@ -5,7 +5,7 @@ controllers and kubelet, the ``kube`` fixture) and its training job run to its r
 the workers' Job; the scheduler places the pods, the kubelet runs them as containers of this
 Docker engine with the chart's env (downward API, ``$(VAR)`` expansion), Secret and emptyDir
 mounts, securityContext, probes and restart policy, on real pod IPs. Only two things are stood
-in for (tests/helm/_pods.py): the Indexed Job controller (1.21+) and cluster DNS. Then every
+in for (tests/support/kube_stand_ins.py): the Indexed Job controller (1.21+) and cluster DNS. Then every
 worker must succeed and global rank 0's report must show the whole world: every rank on the pod
 hostname its completion index implies, at its pod's IP, identical weights, losses, the run id
 made of the Job's uid. Modes tcp (the master's probes and the ``helm test`` pod presenting the
@@ -26,7 +26,7 @@ import pytest
 from . import _lane
 from ._chart import RELEASE, flags
 
-pytestmark = [pytest.mark.containers, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(480)]
 
 CLAIM = "shared-rwx"
 EPOCHS = 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -51,6 +52,44 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+class StreamText:
+    """Everything a child wrote to one of its pipes so far (``text``), read by a thread as it
+    comes, partial lines included, so that a test can wait for a line before it acts. Read the
+    pipe through this only."""
+
+    def __init__(self, pipe):
+        self._fd = pipe.fileno()
+        self._chunks: List[bytes] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            chunk = os.read(self._fd, 65536)
+            if not chunk:
+                return
+            self._chunks.append(chunk)
+
+    @property
+    def text(self) -> str:
+        return b"".join(self._chunks).decode(errors="replace")
+
+    def wait_for(self, words: str, timeout: float) -> None:
+        """Return once ``words`` were written; AssertionError with what was, after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while words not in self.text:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {words!r}; the output:\n"
+                                     f"{self.text[-3000:]}")
+            time.sleep(0.02)
+
+    def rest(self, timeout: float = 30) -> str:
+        """All of it, once the pipe closed (the child exited)."""
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"the pipe was still open after {timeout} s"
+        return self.text
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from .conftest import clean_env, free_port, pid_alive, run_launcher, start_launcher, wait_for
+from .conftest import StreamText, clean_env, free_port, pid_alive, run_launcher, start_launcher, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -258,11 +258,19 @@ SLEEPERS = textwrap.dedent("""
         if not (local == 1 and sys.argv[2] == "stubborn"):
             sys.exit(0)
     signal.signal(signal.SIGTERM, on_term)
-    with open(os.path.join(d, f"pid{local}"), "w") as f:
+    with open(os.path.join(d, f"pid{local}.tmp"), "w") as f:
         f.write(str(os.getpid()))
+    os.rename(os.path.join(d, f"pid{local}.tmp"), os.path.join(d, f"pid{local}"))  # whole or absent
     while True:
         time.sleep(0.05)
 """)
+
+
+def wait_for_pids(directory, n: int) -> list:
+    """The pids SLEEPERS' ``n`` workers wrote into ``directory``, once all are there."""
+    paths = [directory / f"pid{i}" for i in range(n)]
+    wait_for(lambda: all(p.exists() for p in paths), 30, f"the pid files of {n} workers")
+    return [int(p.read_text()) for p in paths]
 
 
 @pytest.mark.parametrize("mode", ["polite", "stubborn"])
@@ -270,9 +278,9 @@ def test_sigterm_to_the_launcher_stops_its_workers(tmp_path, mode):
     script = write(tmp_path, "sleepers.py", SLEEPERS)
     proc = start_launcher("--nproc-per-node", "2", "--grace-period", "1", script, str(tmp_path), mode)
     try:
-        wait_for(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid1").exists(), 30, "both workers")
-        time.sleep(0.2)  # the handlers are installed right after the pid files are written
-        pids = [int((tmp_path / f"pid{i}").read_text()) for i in (0, 1)]
+        # each worker writes its pid file after installing its handler, and the launcher
+        # installed its own before starting them: once both are there, SIGTERM finds all three
+        pids = wait_for_pids(tmp_path, 2)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
@@ -292,29 +300,60 @@ def test_sigterm_to_the_launcher_stops_its_workers(tmp_path, mode):
         assert elapsed < 5
 
 
+#: Given a directory, rank 0 waits there for the test's "go" between its partial line and the
+#: rest (the test gives it once the console showed the partial line on its own), and rank 1 for
+#: rank 0's "done" before it writes: the order the test needs, observed, not slept for.
 OUTPUT = textwrap.dedent("""
     import os, sys, time
     r = os.environ["LOCAL_RANK"]
+    d = sys.argv[1] if len(sys.argv) > 1 else None
+
+    def await_file(name):
+        path, deadline = os.path.join(d, name), time.monotonic() + 60
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                sys.exit(f"rank {r}: no {path} after 60 s")
+            time.sleep(0.01)
+
     sys.stdout.write(f"out {r} line\\nout {r} no newline")
     sys.stdout.flush()
     if r == "0":
         sys.stderr.write("err 0 partial")
         sys.stderr.flush()
-        time.sleep(0.5)  # past the partial-line flush: the continuation must not get a second prefix
+        if d:
+            await_file("go")
         sys.stderr.write(" continued\\n")
+        sys.stderr.flush()
+        if d:
+            open(os.path.join(d, "done"), "w").close()
     else:
-        time.sleep(1.0)
+        if d:
+            await_file("done")
         sys.stderr.write("err 1 whole\\n")
 """)
 
 
 def test_output_lines_carry_the_rank_and_stay_on_their_stream(tmp_path):
+    """A partial line is passed on after a silence, and its continuation gets no second prefix:
+    the console shows rank 0's partial line before rank 0 writes the rest."""
     script = write(tmp_path, "out.py", OUTPUT)
-    done = run_launcher("--nproc-per-node", "2", script)
-    assert done.returncode == 0
-    assert sorted(done.stdout.splitlines()) == ["[rank0]: out 0 line", "[rank0]: out 0 no newline",
-                                                "[rank1]: out 1 line", "[rank1]: out 1 no newline"]
-    assert "[rank0]: err 0 partial continued\n" in done.stderr and "[rank1]: err 1 whole\n" in done.stderr
+    proc = start_launcher("--nproc-per-node", "2", script, str(tmp_path))
+    err = StreamText(proc.stderr)
+    try:
+        err.wait_for("[rank0]: err 0 partial", 30)
+        assert "continued" not in err.text  # rank 0 is still waiting for the go
+        (tmp_path / "go").touch()
+        proc.wait(timeout=60)  # (stderr is StreamText's to read, so no communicate())
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    stderr = err.rest()
+    assert proc.returncode == 0, stderr
+    assert sorted(out.splitlines()) == ["[rank0]: out 0 line", "[rank0]: out 0 no newline",
+                                        "[rank1]: out 1 line", "[rank1]: out 1 no newline"]
+    assert "[rank0]: err 0 partial continued\n" in stderr and "[rank1]: err 1 whole\n" in stderr, stderr
 
 
 def test_an_empty_prefix_template_passes_lines_unchanged(tmp_path):
@@ -408,14 +447,20 @@ def test_distlib_run_subcommand():
     assert re.search(r"^  nproc-per-node\s+3\s+from flag --nproc-per-node$", done.stdout, re.M)
 
 
+#: Rank 1 goes on using the store after node 0's agent said it keeps it for other nodes (the
+#: test gives the go once it did: node 0's worker is done by then).
 LATE_LEAVER = textwrap.dedent("""
-    import os, time
+    import os, sys, time
     from datetime import timedelta
     from distlib.rendezvous import rendezvous
     store, rank, world = next(rendezvous("env://", timeout=timedelta(seconds=30)))
     store.set(f"hello/{rank}", str(rank))
     store.wait([f"hello/{r}" for r in range(world)], timedelta(seconds=30))
-    time.sleep(1.5 * rank)  # rank 1 keeps using the store after rank 0 is gone
+    if rank == 1:
+        go, deadline = os.path.join(sys.argv[1], "go"), time.monotonic() + 60
+        while not os.path.exists(go):
+            assert time.monotonic() < deadline, f"no {go} after 60 s"
+            time.sleep(0.01)
     store.set(f"bye/{rank}", "1")
     assert store.get(f"bye/{rank}") == b"1"
     print(f"rank {rank} done", flush=True)
@@ -427,15 +472,25 @@ def test_hosting_agent_keeps_the_store_for_other_nodes(tmp_path):
     port = free_port()
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--run-id", "linger"]
-    node0 = start_launcher(*args, "--node-rank", "0", script)
-    time.sleep(1.0)  # node 0's agent finds nothing at the endpoint and hosts the store
-    node1 = start_launcher(*args, "--node-rank", "1", script)
-    out1, err1 = node1.communicate(timeout=60)
-    out0, err0 = node0.communicate(timeout=60)
-    assert node0.returncode == 0, err0
+    node0 = start_launcher(*args, "--node-rank", "0", script, str(tmp_path))
+    node1 = None
+    err0 = StreamText(node0.stderr)
+    try:
+        err0.wait_for("this agent hosts one in-process", 30)  # node 0 found nothing there: it hosts
+        node1 = start_launcher(*args, "--node-rank", "1", script, str(tmp_path))
+        err0.wait_for("keeping the store server on port", 60)  # its worker is done, node 1's is not
+        assert node0.poll() is None
+        (tmp_path / "go").touch()
+        out1, err1 = node1.communicate(timeout=60)
+        node0.wait(timeout=60)
+        out0 = node0.stdout.read()
+    finally:
+        for proc in (node0, node1):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert node0.returncode == 0, err0.rest()
     assert node1.returncode == 0, err1
-    assert "this agent hosts one in-process" in err0
-    assert "keeping the store server on port" in err0
     assert out0 == "[rank0]: rank 0 done\n" and out1 == "[rank1]: rank 1 done\n"
 
 
@@ -443,8 +498,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     script = write(tmp_path, "sleepers.py", SLEEPERS)
     proc = start_launcher("--nproc-per-node", "2", script, str(tmp_path), "polite")
     try:
-        wait_for(lambda: (tmp_path / "pid0").exists() and (tmp_path / "pid1").exists(), 30, "both workers")
-        pids = [int((tmp_path / f"pid{i}").read_text()) for i in (0, 1)]
+        pids = wait_for_pids(tmp_path, 2)
         proc.kill()  # SIGKILL: no chance to forward anything
         proc.wait(10)
         wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "the orphaned workers to die")

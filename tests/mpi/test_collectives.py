@@ -6,7 +6,7 @@ object collectives, subgroups with ranks outside them, and bad input, with gloo'
 import pytest
 
 from tests.collectives import cases
-from tests.collectives.test_errors import EXPECTED_TEXT
+from tests.collectives.bad_input_texts import EXPECTED_TEXT
 
 from . import runner
 

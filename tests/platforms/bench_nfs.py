@@ -26,9 +26,9 @@ import time
 import uuid
 from typing import Dict, List
 
-from . import vm as vm_module
-from . import vm_nfs
-from .vm_nfs import script, side_by_side
+from tests.support import vm as vm_module
+from tests.support import vm_nfs
+from tests.support.vm_nfs import script, side_by_side
 
 LAN = {"GLOO_SOCKET_IFNAME": "eth1"}
 PLACES = ("local", "nfs4.2", "nfs3", "ganesha-nfs4.1")

@@ -129,7 +129,7 @@ fi
 # --- the kernel ---------------------------------------------------------------------------------------
 kver="$(basename "$(ls -d "$WORK"/kernel/lib/modules/*)")"
 log "kernel $kver: decompressing vmlinuz"
-python3 "$HERE/vm_kernel.py" "$WORK/kernel/boot/vmlinuz-$kver" "$WORK/vmlinux"
+python3 "$HERE/../support/vm_kernel.py" "$WORK/kernel/boot/vmlinuz-$kver" "$WORK/vmlinux"
 depmod -b "$WORK/kernel" "$kver"
 modules_of() { # the module files $@ need, dependencies first (paths under lib/modules/$kver)
     modprobe -a -d "$WORK/kernel" -S "$kver" --show-depends "$@" | awk '$1 == "insmod" { print $2 }' |

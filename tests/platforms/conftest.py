@@ -1,4 +1,5 @@
-"""Fixtures of the platform tests: real hosts in VMs (vm.py) and, on them, real NFS (vm_nfs.py).
+"""Fixtures of the platform tests: real hosts in VMs (tests/support/vm.py) and, on them,
+real NFS (tests/support/vm_nfs.py).
 
     vm_image   (session) the cached VM image (build-vm-image.sh: minutes once, then instant)
     nfs_hosts  (package) the kernel NFS server VM, 3 client VMs and a spare (for the test that
@@ -18,24 +19,18 @@ import shutil
 
 import pytest
 
-from tests.support import settings
+from tests.support.lanes import unavailable
 
-from . import vm as vm_module
-from . import vm_nfs
-
-
-def _unavailable(reason: str) -> None:
-    if settings.require_docker():
-        pytest.fail(f"{reason} (DISTLIB_REQUIRE_DOCKER=1: the platform tests must run)", pytrace=False)
-    pytest.skip(reason)
+from tests.support import vm as vm_module
+from tests.support import vm_nfs
 
 
 @pytest.fixture(scope="session")
 def vm_image() -> vm_module.Image:
     if not os.path.exists("/proc/self/mountinfo") or shutil.which("apt-get") is None:
-        _unavailable("the VM tests need a Debian Linux host (apt-get) to build their image")
+        unavailable("the VM tests need a Debian Linux host (apt-get) to build their image", "vms")
     if os.geteuid() != 0 and not any(vm_module.CACHE.glob("nfs-vm/image-*/image.env")):
-        _unavailable("building the VM image needs root (debootstrap) once")
+        unavailable("building the VM image needs root (debootstrap) once", "vms")
     try:
         return vm_module.ensure_image("nfs-vm")
     except vm_module.VMError as exc:

@@ -1,4 +1,4 @@
-"""The VM plumbing's parts that need no VM (tests/platforms/vm.py, vm_kernel.py): the LAN
+"""The VM plumbing's parts that need no VM (tests/support/vm.py, vm_kernel.py): the LAN
 switch, the orphan sweep, the kernel unpacking. Fast; the VMs themselves are exercised by the
 NFS tests beside this file."""
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from . import vm
-from .vm_kernel import extract
+from tests.support import vm
+from tests.support.vm_kernel import extract
 
 
 def _frame(dst: bytes, src: bytes, payload: bytes) -> bytes:
@@ -40,7 +40,10 @@ def test_the_switch_floods_unknown_destinations_then_learns():
     try:
         for p in ports:
             p.settimeout(5)
-        time.sleep(0.3)  # the switch accepts them
+        deadline = time.monotonic() + 10
+        while switch.connected() < 3:  # a port not accepted yet would miss the broadcast
+            assert time.monotonic() < deadline, f"the switch accepted {switch.connected()} of 3 ports in 10 s"
+            time.sleep(0.01)
         # a → broadcast: b and c get it
         ports[0].sendall(_frame(b"\xff" * 6, a_mac, b"hello all"))
         assert _read_frame(ports[1]).endswith(b"hello all") and _read_frame(ports[2]).endswith(b"hello all")

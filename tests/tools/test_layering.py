@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_imports import PACKAGES, import_graph
+from tests.support.import_graph import PACKAGES, import_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTSIDE = ("distlib_deploy", "distlib_bench")

@@ -59,4 +59,5 @@ def test_a_server_that_never_answers_in_time_is_stopped():
     server = StoreServerProcess("127.0.0.1")
     with pytest.raises(RuntimeError, match="did not answer within 0 s"):
         server.start(timeout=0.001)
-    assert server.proc is None or server.proc.poll() is not None  # nothing left running
+    assert server.proc is not None, "no server was started: nothing to stop"
+    assert server.proc.poll() is not None  # nothing left running

@@ -4,7 +4,7 @@
 # needs no image rebuild. Then the agent (agent.py) takes over as PID 1: the host runs
 # everything else through it.
 #
-# Kernel command line (tests/platforms/vm.py writes it):
+# Kernel command line (tests/support/vm.py writes it):
 #   distlib.name=NAME            the host name
 #   distlib.lan=ADDR/PREFIX      the address on the VMs' LAN (the NIC whose MAC starts 52:54:00:4c)
 #   distlib.hosts=N1=A1,N2=A2    /etc/hosts entries for the other VMs

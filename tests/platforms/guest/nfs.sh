@@ -1,5 +1,5 @@
 #!/bin/sh
-# NFS roles of a distlib test VM, run by the host through the agent (tests/platforms/vm_nfs.py).
+# NFS roles of a distlib test VM, run by the host through the agent (tests/support/vm_nfs.py).
 #
 #   nfs.sh server-start LEASE_S       the kernel NFS server: /export to the LAN, NFSv4.2 and v3
 #                                      (rpcbind, rpc.statd, rpc.mountd, lockd), lease and grace

@@ -1,6 +1,6 @@
 """A real Slurm 22.05 cluster in containers, for tests: slurmctld and N slurmd nodes.
 
-Fixtures (import them into a test module):
+Fixtures (tests/containers/conftest.py offers them to the container tests):
     slurm_image    (session) the Slurm image (docker/slurm/Dockerfile) on the session's distlib
                    image: built by docker/build-slurm-image.sh (seconds when up to date), or the
                    image named by DISTLIB_TEST_SLURM_IMAGE (then nothing is built).
@@ -27,7 +27,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
-from tests.fixtures.docker import REPO_ROOT, SESSION_ID, _unavailable, labelled
+from tests.fixtures.docker import REPO_ROOT, SESSION_ID, labelled
+from tests.support.lanes import unavailable
 
 SLURM_IMAGE_ENV = "DISTLIB_TEST_SLURM_IMAGE"
 BUILD_SCRIPT = REPO_ROOT / "docker" / "build-slurm-image.sh"
@@ -217,6 +218,6 @@ def slurm_cluster_of(client, image: str, nodes: int, key_dir: Path) -> Iterator[
 def slurm_cluster(docker_client, slurm_image, tmp_path_factory) -> Iterator[SlurmCluster]:
     """Two nodes (2 CPUs' worth each: `srun -O` runs more tasks than that), up and idle."""
     if not docker_client.info().get("ServerVersion"):
-        _unavailable("the Docker engine did not say its version")
+        unavailable("the Docker engine did not say its version", "slurm")
     with slurm_cluster_of(docker_client, slurm_image, 2, tmp_path_factory.mktemp("slurm-key")) as cluster:
         yield cluster

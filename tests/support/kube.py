@@ -5,7 +5,7 @@
 kube-proxy (a Service's virtual IP leads nowhere here). The binaries come from
 tests/platforms/build-kube.sh (Debian's source package, built once and cached under
 ``settings.cache_dir()``/kube-1.20). The two things 1.20 and this machine lack are stood in for
-by ``_pods.py``: the Indexed Job controller (kube-controller-manager runs with ``-job``) and the
+by ``kube_stand_ins.py``: the Indexed Job controller (kube-controller-manager runs with ``-job``) and the
 cluster DNS the kubelet's ``--cluster-dns`` points pods at. docs/cluster.md says why and how.
 
 ``Api`` is a small client of the apiserver's REST API (urllib, the token of a system:masters
@@ -35,8 +35,8 @@ from typing import Any
 from tests.support import settings
 from tests.fixtures import certs
 
-from ._chart import REPO
 
+REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "tests" / "platforms" / "build-kube.sh"
 PAUSE_IMAGE = "distlib:kube-pause"
 # The node's name is its Hostname address, which the apiserver dials for logs and exec: "localhost"
@@ -312,7 +312,7 @@ def start(build_dir: Path, workdir: Path, docker_client: Any, timeout_s: float =
 
         api.wait("the apiserver's /readyz", api_ready, timeout_s)
         run("kube-controller-manager", *kube_common,
-            # the Job controller is the stand-in's (_pods.IndexedJobs): 1.20's runs no Indexed Job
+            # the Job controller is the stand-in's (kube_stand_ins.IndexedJobs): 1.20's runs no Indexed Job
             "--controllers=*,-job", f"--service-account-private-key-file={sa_key}",
             f"--root-ca-file={pki['ca']}")
         run("kube-scheduler", *kube_common)

@@ -1,4 +1,4 @@
-"""The two stand-ins the real-cluster lane needs, and nothing else (tests/helm/_kube.py runs
+"""The two stand-ins the real-cluster lane needs, and nothing else (tests/support/kube.py runs
 everything else for real: apiserver, scheduler, kubelet, the other controllers):
 
 ``IndexedJobs`` — the Indexed Job controller. Kubernetes 1.20 has none (``completionMode:
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from ._kube import Api, ApiError
+from tests.support.kube import Api, ApiError
 
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 INDEX_ENV = {"name": "JOB_COMPLETION_INDEX",

@@ -1,6 +1,6 @@
 """Linux VMs under QEMU for the platform tests: the image, the VMs, their LAN, their cleanup.
 
-Shared plumbing of tests/platforms (the NFS fixture, vm_nfs.py, is built on it):
+The plumbing of the VM lane (tests/platforms; the NFS hosts, vm_nfs.py, are built on it):
 
 * ``ensure_image()`` runs build-vm-image.sh: Debian's kernel and a debootstrap root, built
   once and cached under ~/.cache/distlib/<name>.
@@ -39,9 +39,9 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 from tests.support import settings
 from tests.fixtures.procfs import pid_alive
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parents[1]
-BUILD_SCRIPT = HERE / "build-vm-image.sh"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: where it stays: the image's cache key hashes it, and the Makefile and docs name it
+BUILD_SCRIPT = REPO_ROOT / "tests" / "platforms" / "build-vm-image.sh"
 CACHE = Path(settings.cache_dir())
 RUNS = CACHE / "vm-runs"
 MARKER = "distlib-test-vm"
@@ -123,6 +123,10 @@ class Switch:
         self.closing = False
         self.thread = threading.Thread(target=self._loop, name="vm-switch", daemon=True)
         self.thread.start()
+
+    def connected(self) -> int:
+        """How many ports are connected (accepted by the switch's thread)."""
+        return len(self.buffers)
 
     def _drop(self, conn: socket.socket) -> None:
         with contextlib.suppress(KeyError, ValueError):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
 
-from .vm import REPO_ROOT, VM, Fleet, Image, VMError
+from tests.support.vm import REPO_ROOT, VM, Fleet, Image, VMError
 
 T = TypeVar("T")
 
@@ -230,6 +230,23 @@ def wait_for_marker(vm: VM, path: str, timeout: float) -> None:
           timeout=timeout + 10).check()
 
 
+def in_grace(server: VM) -> bool:
+    """Whether the kernel server is in its grace period (``/proc/fs/nfsd/v4_end_grace`` reads N
+    until the period is over: its length, or up to twice it while clients still reclaim)."""
+    answer = server.sh("cat /proc/fs/nfsd/v4_end_grace", timeout=30).check().out.strip()
+    assert answer in ("Y", "N"), f"{server.name}: v4_end_grace says {answer!r}"
+    return answer == "N"
+
+
+def wait_grace_over(server: VM, timeout: float) -> None:
+    """Wait until the kernel server's grace period is over."""
+    deadline = time.monotonic() + timeout
+    while in_grace(server):
+        if time.monotonic() > deadline:
+            raise VMError(f"{server.name}: still in its grace period after {timeout:.0f} s")
+        time.sleep(1)
+
+
 def side_by_side(*calls: Callable[[], T]) -> List[T]:
     """Run the calls in threads at once; their results in order (the first error is raised)."""
     with ThreadPoolExecutor(max_workers=len(calls)) as pool:
@@ -247,7 +264,7 @@ def start(image: Image, clients: int = 3, spares: int = 0,
     with contextlib.ExitStack() as stack:
         if ganesha_image:
             Ganesha.sweep_orphans()
-            from .vm import _free_port
+            from tests.support.vm import _free_port
 
             ganesha = Ganesha(ganesha_image, _free_port())
             ganesha.build_image()
