@@ -32,7 +32,7 @@ from distlib_deploy.cluster.outcome import (ExitTime, failed_root_cause_first, f
 from tests.fixtures.docker import REPO_ROOT
 from tests.support.cluster_token import check_the_run_used_its_token
 from tests.support.compose import (CLUSTER_VARIABLES, IMPLS, leftovers, need_compose, project_of, read_only_mount,
-                                   run_cluster)
+                                   run_cluster, unhardened)
 
 
 def check_report(report: dict, nodes: int, epochs: int, init_prefix: str) -> None:
@@ -122,6 +122,18 @@ def test_report_and_logs_without_a_recorded_run(tmp_path):
                                       "starts one)"
 
 
+#: Capabilities a service may take back after dropping all (compose/mode-nfs.yml says why).
+GIVEN_BACK = {"nfs": {"DAC_READ_SEARCH", "SYS_ADMIN", "SETUID", "SETGID", "FOWNER", "DAC_OVERRIDE", "CHOWN"}}
+
+
+def test_the_hardening_check_names_what_is_missing():
+    assert unhardened({"worker": {"cap_drop": ["ALL"], "security_opt": ["no-new-privileges:true"]},
+                       "nfs": {"cap_drop": ["ALL"], "cap_add": ["SYS_ADMIN", "NET_ADMIN"]},
+                       "master": {}}, GIVEN_BACK) == [
+        "master: cap_drop None", "master: security_opt None", "nfs: cap_add ['NET_ADMIN']",
+        "nfs: security_opt None"]
+
+
 @pytest.mark.parametrize("impl", sorted(IMPLS) or ["none"])
 @pytest.mark.parametrize("mode", ["tcp", "rank0", "file", "nfs", "mpi"])
 def test_compose_files_of_every_mode(tmp_path, impl, mode):
@@ -139,6 +151,7 @@ def test_compose_files_of_every_mode(tmp_path, impl, mode):
     assert env["GLOO_SOCKET_IFNAME"] == "eth0"
     assert ("master" in services) == (mode == "tcp")
     assert "working_dir" not in worker  # the default job runs in the image's /workspace
+    assert unhardened(services, GIVEN_BACK) == [], "every service drops every capability and gains none by exec"
     if mode == "tcp":
         assert "distlib" in services["master"]["healthcheck"]["test"] and \
             "--ping" in services["master"]["healthcheck"]["test"]

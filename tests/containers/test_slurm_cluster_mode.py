@@ -18,7 +18,8 @@ import yaml
 from distlib_deploy.cluster import engine, slurm
 from distlib_deploy.cluster.slurm_node import batch_script, node_names, slurm_conf
 from tests.support.cluster_token import check_the_run_used_its_token
-from tests.support.compose import IMPLS, leftovers, need_compose, project_of, read_only_mount, run_cluster
+from tests.support.compose import (IMPLS, leftovers, need_compose, project_of, read_only_mount, run_cluster,
+                                   unhardened)
 
 MUNGE_TARGET = "/run/secrets/distlib/munge.key"
 
@@ -44,6 +45,9 @@ def test_compose_files_of_the_slurm_mode(tmp_path, impl):
     assert ctld["command"] == ["python", "-m", "distlib_deploy.cluster.slurm_node", "controller", "--submit"]
     assert worker["image"] == ctld["image"] == "distlib:slurm"
     assert str(worker["user"]) == str(ctld["user"]) == "0" and ctld["hostname"] == "slurmctld"
+    # root in the containers, but with only the capabilities slurmd, slurmctld and munged use
+    slurm_caps = {"SETUID", "SETGID", "CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL"}
+    assert unhardened(services, {"worker": slurm_caps, "slurmctld": slurm_caps}) == []
     key = str(tmp_path / "state" / "distlib-config" / "munge" / "munge.key")
     assert read_only_mount(worker, key, MUNGE_TARGET) and read_only_mount(ctld, key, MUNGE_TARGET)
     env = env_of(ctld)

@@ -90,3 +90,19 @@ def read_only_mount(service: dict, source: str, target: str) -> bool:
         elif volume == f"{source}:{target}:ro":
             return True
     return False
+
+
+def unhardened(services: dict, given_back: dict) -> list:
+    """Services of a merged Compose file (``docker compose config``) that keep capabilities,
+    take back more than ``given_back`` (service -> capabilities) allows, or may gain privileges
+    through exec (issue 37: the Helm chart already dropped them all)."""
+    found = []
+    for name, service in sorted(services.items()):
+        if [c.upper() for c in service.get("cap_drop", [])] != ["ALL"]:
+            found.append(f"{name}: cap_drop {service.get('cap_drop')}")
+        extra = {c.upper() for c in service.get("cap_add", [])} - given_back.get(name, set())
+        if extra:
+            found.append(f"{name}: cap_add {sorted(extra)}")
+        if "no-new-privileges:true" not in service.get("security_opt", []):
+            found.append(f"{name}: security_opt {service.get('security_opt')}")
+    return found
