@@ -114,7 +114,7 @@ def _config_for(backend: Optional[str]) -> Dict[str, str]:
 def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, label: str,
                     group_name: str, global_ranks: List[int], pg_options, device_id=None) -> BackendBase:
     if name == Backend.GLOO:
-        from .backends.gloo import GlooBackend
+        from .backends.gloo.backend import GlooBackend
 
         return GlooBackend(_needs_store(store, name), rank, size, timeout, label=label)
     if name == Backend.MPI:

@@ -30,13 +30,13 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..algorithms import p2p
 from ..deadline import Deadline, format_duration
 from ..errors import DistBackendError
 from ..reduce_op import ReduceOp, finish, prepare_input
 from ..arrays import device_of
 from . import cuda_staging, mpi_runtime
 from .base import CommBackend, RecvHandle
+from .monitored_barrier import not_passed, told_failed
 from .mpi_ops import OpTable
 from .mpi_watchdog import WATCHDOG, describe
 
@@ -336,7 +336,7 @@ class MPIBackend(CommBackend):
                 raise DistBackendError(f"monitored_barrier: rank {self.rank} had no verdict from rank 0 within "
                                        f"{format_duration(seconds + 5.0)}")
             if verdict[0]:
-                raise p2p.told_failed(seconds)
+                raise told_failed(seconds)
             return
         arrivals = {r: self.control.Irecv([np.zeros(1, np.int8), MPI.INT8_T], r, tag) for r in range(1, self.size)}
         limit = Deadline(seconds)
@@ -350,7 +350,7 @@ class MPIBackend(CommBackend):
         for r in range(1, self.size):  # the late ranks too: one byte goes out eagerly, and they learn at once
             self._call("monitored_barrier", f"(verdict to rank {r})", self.control.Send, [verdict, MPI.INT8_T], r, tag)
         if failed:
-            raise p2p.not_passed(failed, seconds, wait_all_ranks)
+            raise not_passed(failed, seconds, wait_all_ranks)
 
     def _poll(self, request, deadline: Deadline) -> bool:
         """Test ``request`` until it completes (True) or ``deadline`` passes (False: cancelled)."""

@@ -491,7 +491,7 @@ def world_info(rank, ws):
 
 def pipelining_settings(rank, ws):
     """The piece size and scratch budget this rank's ring runs with."""
-    from distlib.algorithms import context
+    from distlib.backends.gloo.algorithms import context
 
     return context.PIPE_BYTES, context.SCRATCH_LIMIT
 

@@ -155,7 +155,7 @@ def sync_calls_start_no_thread(rank, ws):
 
 def all_reduce_matrix_with(rank, ws, algorithm, op_name, dtypes, sizes):
     """cases.all_reduce_matrix with the TCP all_reduce algorithm forced to ``algorithm``."""
-    from distlib.algorithms import reduce as reduce_algos
+    from distlib.backends.gloo.algorithms import reduce as reduce_algos
 
     from .cases import all_reduce_matrix
 
@@ -169,7 +169,7 @@ def all_reduce_matrix_with(rank, ws, algorithm, op_name, dtypes, sizes):
 
 def mismatch_with_algorithm(rank, ws, algorithm, kind):
     """cases.mismatched_collectives with the TCP all_reduce algorithm forced."""
-    from distlib.algorithms import reduce as reduce_algos
+    from distlib.backends.gloo.algorithms import reduce as reduce_algos
 
     from .cases import mismatched_collectives
 

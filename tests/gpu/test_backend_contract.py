@@ -74,7 +74,7 @@ def group():
 def test_the_kinds_are_declared():
     assert dist.CommBackend.kind is base.HOST_SYNCHRONOUS
     assert dist.StreamOrderedBackend.kind is base.STREAM_ORDERED
-    from distlib.backends.gloo import GlooBackend
+    from distlib.backends.gloo.backend import GlooBackend
     from distlib.backends.nccl import NcclBackend
 
     assert GlooBackend.kind is base.HOST_SYNCHRONOUS and NcclBackend.kind is base.STREAM_ORDERED

@@ -17,7 +17,7 @@ import os
 import secrets
 from typing import Optional
 
-from ..errors import DistBackendError
+from ....errors import DistBackendError
 
 SHM_DIR = "/dev/shm"
 

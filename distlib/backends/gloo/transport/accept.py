@@ -19,9 +19,9 @@ import socket
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from .. import auth
-from ..deadline import Deadline, format_duration
-from ..net import format_endpoint, tune
+from .... import auth
+from ....deadline import Deadline, format_duration
+from ....net import format_endpoint, tune
 from . import frames
 
 HELLO_BYTES = frames.HEADER_SIZE + frames.HELLO_PAYLOAD.size

@@ -77,7 +77,7 @@ def unpack(data) -> tuple:
 
 def describe(op: int, dtype: int, count: int, root: int = -1) -> str:
     """An operation in a user's words: ``broadcast of 10 x float32 from rank 0``."""
-    from ..arrays import dtype_name
+    from ....arrays import dtype_name
 
     name = OP_NAMES.get(op, f"op {op}")
     text = f"{name} of {count} x {dtype_name(dtype)}" if dtype else name

@@ -25,7 +25,7 @@ import socket
 import struct
 from typing import List, Optional, Tuple
 
-from ..errors import DistNetworkError
+from ....errors import DistNetworkError
 
 log = logging.getLogger("distlib.transport.address")
 

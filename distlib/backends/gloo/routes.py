@@ -22,12 +22,12 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
-from ..algorithms import gather as gather_algos
-from ..algorithms import reduce as reduce_algos
-from ..algorithms import shm_small
-from ..arrays import DTYPE_CODES as _DTYPES
-from ..reduce_op import ReduceOp, prepare_input
-from ..transport import frames, shm_channel
+from .algorithms import gather as gather_algos
+from .algorithms import reduce as reduce_algos
+from .algorithms import shm_small
+from ...arrays import DTYPE_CODES as _DTYPES
+from ...reduce_op import ReduceOp, prepare_input
+from .transport import frames, shm_channel
 
 SMALL, SEGMENT, MESH = "small", "segment", "mesh"
 #: A reduce or reduce_scatter whose data per rank times the peers is at most this goes

@@ -19,17 +19,17 @@ import logging
 import secrets
 from typing import List, Optional, Tuple
 
-from .. import auth, settings
-from ..cpus import usable_cpus
-from ..deadline import Deadline
-from ..errors import DistBackendError
-from ..net import format_endpoint as net_endpoint
-from ..transport import address as addr
-from ..transport import shm_channel, shm_wait
-from ..transport.connection import crowded_receive_buffer
-from ..transport.shm_channel import SmallChannel
-from ..transport.tcp import Mesh
-from .join import local_facts, publish_and_gather
+from ... import auth, settings
+from ...cpus import usable_cpus
+from ...deadline import Deadline
+from ...errors import DistBackendError
+from ...net import format_endpoint as net_endpoint
+from .transport import address as addr
+from .transport import shm_channel, shm_wait
+from .transport.connection import crowded_receive_buffer
+from .transport.shm_channel import SmallChannel
+from .transport.tcp import Mesh
+from ..join import local_facts, publish_and_gather
 from .shared_segments import ContextFactory, agree_on_segment
 
 #: The backend's logger (users filter on its name).

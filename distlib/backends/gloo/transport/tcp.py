@@ -40,9 +40,9 @@ import time
 from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
-from ..busy_poll import BusyPoll
-from ..deadline import Deadline
-from ..errors import DistBackendError
+from ....busy_poll import BusyPoll
+from ....deadline import Deadline
+from ....errors import DistBackendError
 from . import frames
 from .connection import Connector, PeerConnection, peer_connection
 from .early import EarlyBuffers

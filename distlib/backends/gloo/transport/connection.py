@@ -21,13 +21,13 @@ import threading
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from .. import auth
-from ..deadline import Deadline, format_duration
-from ..errors import DistBackendError, DistNetworkError
-from ..exposure import warn_open_listener
-from ..net import classify, tune
-from ..net import format_endpoint as endpoint
-from ..refusals import RefusalLog
+from .... import auth
+from ....deadline import Deadline, format_duration
+from ....errors import DistBackendError, DistNetworkError
+from ....exposure import warn_open_listener
+from ....net import classify, tune
+from ....net import format_endpoint as endpoint
+from ....refusals import RefusalLog
 from . import frames
 from .accept import Handshakes
 from .frames import HELLO

@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ..deadline import Deadline
+from ....deadline import Deadline
 from ..transport import frames
 from ..transport.tcp import Mesh, Slot
 

@@ -29,8 +29,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import DistBackendError
-from ..reduce_op import ReduceOp, accumulate
+from ....errors import DistBackendError
+from ....reduce_op import ReduceOp, accumulate
 from ..transport.shm import SharedSegment
 from ..transport.shm_channel import SUB_BITS, SmallChannel, descriptor, stamp
 from ..transport.shm_wait import LONG

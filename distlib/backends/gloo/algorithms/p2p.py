@@ -14,8 +14,9 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..deadline import Deadline, format_duration
-from ..errors import DistBackendError
+from ....deadline import Deadline
+from ....errors import DistBackendError
+from ...monitored_barrier import not_passed, told_failed
 from ..transport import frames
 from ..transport.matching import Slot
 from ..transport.tcp import ANY_SOURCE, Mesh
@@ -69,18 +70,3 @@ def monitored_barrier(ctx: OpContext, timeout_s: float, wait_all_ranks: bool) ->
                 pass
     if failed:
         raise not_passed(failed, timeout_s, wait_all_ranks)
-
-
-def not_passed(failed: List[int], timeout_s: float, wait_all_ranks: bool) -> DistBackendError:
-    """Rank 0's error for the ranks that did not reach monitored_barrier (torch's words; every
-    backend's monitored_barrier raises it)."""
-    ms = int(timeout_s * 1000)
-    if wait_all_ranks:
-        return DistBackendError(f"Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier in {ms} ms")
-    return DistBackendError(f"Rank {failed[0]} failed to pass monitoredBarrier in {ms} ms")
-
-
-def told_failed(timeout_s: float) -> DistBackendError:
-    """The error of a rank that came to monitored_barrier and was told by rank 0 that others did not."""
-    return DistBackendError(f"monitored_barrier failed: rank 0 reported that other ranks did not reach the "
-                            f"barrier within {format_duration(timeout_s)}")

@@ -27,8 +27,8 @@ import socket
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..deadline import Deadline, format_duration
-from ..errors import DistBackendError
+from ....deadline import Deadline, format_duration
+from ....errors import DistBackendError
 from . import frames
 from .connection import PeerConnection
 from .frames import ABORT, HEARTBEAT

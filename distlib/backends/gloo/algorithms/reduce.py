@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..reduce_op import ReduceOp, accumulate, combine
+from ....reduce_op import ReduceOp, accumulate, combine
 from . import context
 from .context import STEP_STRIDE, OpContext, ScratchPool, bview, chunk_bounds, pieces
 

@@ -19,24 +19,24 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import settings
-from ..algorithms import gather as gather_algos
-from ..algorithms import p2p
-from ..algorithms.context import Label, OpContext, bview
-from ..algorithms.shm_allreduce import ShmAllReduce
-from ..arrays import DTYPE_CODES as _DTYPES
-from ..arrays import device_of, dtype_code
-from ..deadline import Deadline
-from ..errors import DistBackendError
-from ..reduce_op import ReduceOp, finish, kernel, prepare_input
-from ..transport import frames
-from ..transport import shm_channel
-from ..transport.shm_channel import SmallChannel
-from ..transport.tcp import Mesh
-from . import cuda_staging
-from .base import CommBackend, RecvHandle
-from . import gloo_routes as routes
-from .gloo_setup import connect_group, small_channel
+from ... import settings
+from .algorithms import gather as gather_algos
+from .algorithms import p2p
+from .algorithms.context import Label, OpContext, bview
+from .algorithms.shm_allreduce import ShmAllReduce
+from ...arrays import DTYPE_CODES as _DTYPES
+from ...arrays import device_of, dtype_code
+from ...deadline import Deadline
+from ...errors import DistBackendError
+from ...reduce_op import ReduceOp, finish, kernel, prepare_input
+from .transport import frames
+from .transport import shm_channel
+from .transport.shm_channel import SmallChannel
+from .transport.tcp import Mesh
+from .. import cuda_staging
+from ..base import CommBackend, RecvHandle
+from . import routes
+from .group_setup import connect_group, small_channel
 from .shared_segments import LargeSegment, agree_on_segment
 
 log = logging.getLogger("distlib.backends.gloo")

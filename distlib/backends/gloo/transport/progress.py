@@ -18,7 +18,7 @@ import select
 import threading
 from typing import Callable, Dict, Optional, Set
 
-from ..errors import DistBackendError
+from ....errors import DistBackendError
 from .connection import PeerConnection
 from .health import HEARTBEAT_INTERVAL, Health, log
 

@@ -51,8 +51,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..deadline import Deadline
-from ..errors import DistBackendError
+from ....deadline import Deadline
+from ....errors import DistBackendError
 from . import frames
 from .health import Health
 from .shm import SharedSegment
