@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 from .backends import cupy_env
 from .backends.base import BackendBase
-from .backends.nccl_devices import parse_device_id
+from .backends.nccl.devices import parse_device_id
 from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
 from .errors import DistBackendError
@@ -51,7 +51,7 @@ def is_nccl_available() -> bool:
 
 def is_mpi_available() -> bool:
     """Whether mpi4py imports and loads an MPI library (it does not initialise MPI)."""
-    from .backends import mpi_runtime
+    from .backends.mpi import runtime as mpi_runtime
 
     return mpi_runtime.available()
 
@@ -118,11 +118,11 @@ def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, 
 
         return GlooBackend(_needs_store(store, name), rank, size, timeout, label=label)
     if name == Backend.MPI:
-        from .backends.mpi import MPIBackend
+        from .backends.mpi.backend import MPIBackend
 
         return MPIBackend(rank, size, timeout, global_ranks, label=label)
     if name == Backend.NCCL:
-        from .backends.nccl import NcclBackend
+        from .backends.nccl.backend import NcclBackend
 
         return NcclBackend(_needs_store(store, name), rank, size, timeout, label=label, device_id=device_id)
     plugin = Backend._plugins.get(name.upper())
@@ -263,7 +263,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         from .debug import configure as configure_logging
 
         if _only_mpi(config):  # as torch: no rendezvous, no store; MPI says who is who
-            from .backends import mpi_runtime
+            from .backends.mpi import runtime as mpi_runtime
 
             rank, world_size = mpi_runtime.world_rank_and_size(rank, world_size)
         # the log prefix's rank: the identity's (RANK, or srun's task rank) until env:// has said

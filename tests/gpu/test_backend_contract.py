@@ -75,7 +75,7 @@ def test_the_kinds_are_declared():
     assert dist.CommBackend.kind is base.HOST_SYNCHRONOUS
     assert dist.StreamOrderedBackend.kind is base.STREAM_ORDERED
     from distlib.backends.gloo.backend import GlooBackend
-    from distlib.backends.nccl import NcclBackend
+    from distlib.backends.nccl.backend import NcclBackend
 
     assert GlooBackend.kind is base.HOST_SYNCHRONOUS and NcclBackend.kind is base.STREAM_ORDERED
 

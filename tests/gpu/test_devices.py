@@ -2,7 +2,7 @@
 
 import pytest
 
-from distlib.backends.nccl_devices import (check_same_device, choose_device, local_rank, parse_device_id,
+from distlib.backends.nccl.devices import (check_same_device, choose_device, local_rank, parse_device_id,
                                            shared_gpus_hint)
 
 

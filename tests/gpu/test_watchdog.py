@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 
 import distlib as dist
-from distlib.backends import nccl_watchdog as W
+from distlib.backends.nccl import watchdog as W
 from tests.fixtures.ports import free_port
 
 HOSTS = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}

@@ -17,7 +17,7 @@ import distlib as dist
 def world_info(rank, ws):
     from mpi4py import MPI
 
-    from distlib.backends import mpi_runtime
+    from distlib.backends.mpi import runtime as mpi_runtime
     from distlib.distributed import get_default_group
 
     group = dist.new_group(list(range(ws)))
@@ -221,7 +221,7 @@ def stalled_rank(rank, ws, victim):
 def async_left_in_flight(rank, ws):
     """Rank 0 starts an all_reduce nobody else joins and never waits for it, then exits."""
     if rank == 0:
-        from distlib.backends.mpi_watchdog import WATCHDOG
+        from distlib.backends.mpi.watchdog import WATCHDOG
 
         dist.all_reduce(np.ones(4), async_op=True)
         deadline = time.monotonic() + 20

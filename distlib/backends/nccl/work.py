@@ -16,10 +16,10 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from ..deadline import Deadline, format_duration
-from ..errors import DistBackendError
-from ..work import Future, Work
-from .base import RecvHandle
+from ...deadline import Deadline, format_duration
+from ...errors import DistBackendError
+from ...work import Future, Work
+from ..base import RecvHandle
 
 PENDING, DONE, FAILED = 0, 1, 2
 #: A host wait polls the event: at once a few times, then sleeping up to this long.

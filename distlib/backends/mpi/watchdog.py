@@ -23,9 +23,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..deadline import format_duration
-from . import mpi_runtime
-from .mpi_inquiry import Inquiry
+from ...deadline import format_duration
+from . import runtime as mpi_runtime
+from .inquiry import Inquiry
 
 #: Seconds between the watchdog's looks at the calls in flight (the lateness of an abort, and
 #: of an answer to another rank's question).

@@ -27,7 +27,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from ..reduce_op import RedOpType, ReduceOp
+from ...reduce_op import RedOpType, ReduceOp
 
 # ncclDataType_t
 INT8, UINT8, INT32, UINT32, INT64, UINT64, FLOAT16, FLOAT32, FLOAT64, BFLOAT16 = range(10)

@@ -24,7 +24,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ..reduce_op import RedOpType, ReduceOp, accumulate
+from ...reduce_op import RedOpType, ReduceOp, accumulate
 
 _TYPE_NAMES = {
     np.dtype(np.bool_): "C_BOOL",

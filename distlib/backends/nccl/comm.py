@@ -26,8 +26,8 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Optional
 
-from ..deadline import format_duration
-from ..errors import DistBackendError
+from ...deadline import format_duration
+from ...errors import DistBackendError
 
 log = logging.getLogger("distlib.backends.nccl")
 

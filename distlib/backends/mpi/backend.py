@@ -30,15 +30,16 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..deadline import Deadline, format_duration
-from ..errors import DistBackendError
-from ..reduce_op import ReduceOp, finish, prepare_input
-from ..arrays import device_of
-from . import cuda_staging, mpi_runtime
-from .base import CommBackend, RecvHandle
-from .monitored_barrier import not_passed, told_failed
-from .mpi_ops import OpTable
-from .mpi_watchdog import WATCHDOG, describe
+from ...arrays import device_of
+from ...deadline import Deadline, format_duration
+from ...errors import DistBackendError
+from ...reduce_op import ReduceOp, finish, prepare_input
+from .. import cuda_staging
+from ..base import CommBackend, RecvHandle
+from ..monitored_barrier import not_passed, told_failed
+from . import runtime as mpi_runtime
+from .ops import OpTable
+from .watchdog import WATCHDOG, describe
 
 #: Tag of MPI_Comm_create_group (only new_group's members take part, in the same order).
 _CREATE_TAG = 7411

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Sequence, Tuple
 
-from .nccl_types import SUM, Reduction, Wire
+from .dtypes import SUM, Reduction, Wire
 
 
 @dataclass(frozen=True)

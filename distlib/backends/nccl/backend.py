@@ -41,18 +41,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..deadline import Deadline
-from ..errors import DistBackendError
-from ..reduce_op import ReduceOp
-from . import cupy_env
-from . import nccl_plan as P
-from .base import RecvHandle, StreamOrderedBackend
-from .join import local_facts, publish_and_gather
-from .nccl_comm import Communicator
-from .nccl_devices import check_same_device, choose_device, parse_device_id, shared_gpus_hint
-from .nccl_types import UINT8, Wire, reduction, unique_id_bytes, unique_id_for, wire
-from .nccl_watchdog import SILENCE_CHECK_S, Heartbeat, Pending, Watchdog, diagnose, failure_text
-from .nccl_work import DeviceArrays, NcclRecv, NcclWork
+from ...deadline import Deadline
+from ...errors import DistBackendError
+from ...reduce_op import ReduceOp
+from .. import cupy_env
+from ..base import RecvHandle, StreamOrderedBackend
+from ..join import local_facts, publish_and_gather
+from . import plan as P
+from .comm import Communicator
+from .devices import check_same_device, choose_device, parse_device_id, shared_gpus_hint
+from .dtypes import UINT8, Wire, reduction, unique_id_bytes, unique_id_for, wire
+from .watchdog import SILENCE_CHECK_S, Heartbeat, Pending, Watchdog, diagnose, failure_text
+from .work import DeviceArrays, NcclRecv, NcclWork
 
 log = logging.getLogger("distlib.backends.nccl")
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from ..deadline import format_duration
+from ...deadline import format_duration
 
 log = logging.getLogger("distlib.backends.nccl")
 
