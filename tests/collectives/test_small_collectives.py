@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from distlib.backends.gloo.group_setup import small_slot_bytes
+from distlib.backends.gloo.sizes import small_slot_bytes
 from distlib.backends.gloo.transport import shm_channel, shm_wait
 
 from . import cases, small_cases
@@ -246,7 +246,7 @@ def test_mismatch_over_tcp_raises_on_every_rank_whatever_the_algorithm(tcp_pool,
 
 
 def test_the_tree_is_chosen_when_ranks_outnumber_cpus():
-    from distlib.backends.gloo.algorithms.reduce import choose_all_reduce
+    from distlib.backends.gloo.sizes import choose_all_reduce
 
     assert choose_all_reduce(4, 4, crowded=True) == "tree"
     assert choose_all_reduce(4, 3, crowded=True) == "tree"

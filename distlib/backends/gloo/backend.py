@@ -3,54 +3,43 @@
 It is not Facebook's gloo (a pure-Python backend cannot join a gloo group; it only shares the
 store); it does the same job: a full TCP mesh between the group's ranks (transport/tcp.py),
 shared memory between ranks of one host (transport/shm.py), and an algorithm per collective
-and size (algorithms/). Setting up is backends/gloo_setup.py; this module routes each
-collective by its route table (backends/gloo_routes.py): through the small-collective channel
-(transport/shm_channel.py) when every rank's part fits its slot, all_reduce of large arrays
-through a shared segment set up on its first use (backends/shared_segments.py), everything
-else over the mesh.
+and size (algorithms/). Setting up is group_setup.py; where each collective goes is the
+router's (router.py: the small channel, the shared segment or the mesh). This module does
+what every route shares: the reduce op's arithmetic before and after (AVG, PREMUL_SUM), the
+group of one, point-to-point messages and teardown.
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from ... import settings
-from .algorithms import gather as gather_algos
-from .algorithms import p2p
-from .algorithms.context import Label, OpContext, bview
-from .algorithms.shm_allreduce import ShmAllReduce
-from ...arrays import DTYPE_CODES as _DTYPES
 from ...arrays import device_of, dtype_code
 from ...deadline import Deadline
 from ...errors import DistBackendError
-from ...reduce_op import ReduceOp, finish, kernel, prepare_input
-from .transport import frames
-from .transport import shm_channel
-from .transport.shm_channel import SmallChannel
-from .transport.tcp import Mesh
+from ...reduce_op import ReduceOp, finish, prepare_input
 from .. import cuda_staging
 from ..base import CommBackend, RecvHandle
-from . import routes
+from . import sizes
+from .algorithms import gather as gather_algos
+from .algorithms import p2p
+from .algorithms.context import bview
 from .group_setup import connect_group, small_channel
-from .shared_segments import LargeSegment, agree_on_segment
+from .router import Router, close
+from .shared_segments import LargeSegment
+from .transport.matching import Slot
+from .transport.shm_channel import SmallChannel
+from .transport.tcp import Mesh
 
 log = logging.getLogger("distlib.backends.gloo")
 
-#: all_reduce of at least this many bytes per rank uses shared memory (all ranks local) in
-#: rounds (algorithms/shm_allreduce.py); with a small channel, everything above its slot does.
-SHM_MIN_BYTES = 256 << 10
-#: Bytes per rank per round in the shared segment.
-SHM_SLOT_BYTES = 8 << 20
-_ALL_REDUCE = frames.OPS["all_reduce"]
-
 
 class _P2PRecv(RecvHandle):
-    def __init__(self, mesh: Mesh, slot, deadline: Deadline):
+    def __init__(self, mesh: Mesh, slot: Slot, deadline: Deadline):
         self.mesh, self.slot, self.deadline = mesh, slot, deadline
 
     def wait(self) -> int:
@@ -67,22 +56,21 @@ class GlooBackend(CommBackend):
         super().__init__(store, rank, size, timeout)
         self.timeout_s = timeout.total_seconds()
         self.label = label
-        self.seq = 0
-        self.meshes: List[Mesh] = []
-        #: The large all_reduce's shared segment (set up on first use)
-        self.large = LargeSegment(settings.shared_memory())
-        self.small: Optional[SmallChannel] = None
-        self._reductions: Dict[tuple, Tuple[int, Any]] = {}
+        meshes: List[Mesh] = []
+        large = LargeSegment(settings.shared_memory())
         self.records: list = []
-        self.all_local = False
-        self.crowded = False
         try:
-            self.records, self.all_local, self.crowded = connect_group(
-                store, rank, size, self.timeout_s, label, Deadline(self.timeout_s), self.meshes)
-            self.small = small_channel(self.op_context, rank, size, self.timeout_s, label, self.meshes[0],
-                                       self.all_local)
+            self.records, all_local, crowded = connect_group(
+                store, rank, size, self.timeout_s, label, Deadline(self.timeout_s), meshes)
         except BaseException:
-            self.shutdown()
+            close(meshes, None, large)
+            raise
+        self.router = Router(rank, size, meshes, large, all_local, crowded, self.timeout_s, label)
+        try:
+            self.router.use_channel(small_channel(self.router.context, rank, size, sizes.small_slot_bytes(size),
+                                                  self.timeout_s, label, meshes[0], all_local))
+        except BaseException:
+            self.router.close()
             raise
 
     # -- arrays and state ------------------------------------------------------------------------
@@ -92,144 +80,84 @@ class GlooBackend(CommBackend):
         return cuda_staging.staged(self, array) if device_of(array) == "cuda" else self
 
     @property
+    def meshes(self) -> List[Mesh]:
+        """The group's meshes (one per GLOO_SOCKET_IFNAME interface; p2p uses the first)."""
+        return self.router.meshes
+
+    @property
+    def small(self) -> Optional[SmallChannel]:
+        """The small-collective channel, or None (not every rank on this host, or DISTLIB_SHM=0)."""
+        return self.router.small
+
+    @property
     def shm_state(self) -> str:
-        """Whether all_reduce goes through shared memory: "on" (the small channel, or the large
-        segment once set up), "off" (it cannot), "unset" (no channel, and no large all_reduce yet)."""
-        return "on" if self.small is not None else self.large.state
+        """Whether all_reduce goes through shared memory: "on", "off" or "unset" (Router.shm_state)."""
+        return self.router.shm_state
 
-    # -- what the routes use (gloo_routes.py) ----------------------------------------------------
-
-    def op_context(self, op_name: str, array: Optional[np.ndarray], redop: Optional[ReduceOp], what: str,
-                   *args, root: int = -1, announce: bool = True) -> OpContext:
-        """The next operation's context, for an operation that goes over the mesh (and, in a
-        group with a small-collective channel, announced there: see shm_channel).
-        ``what.format(*args)`` names it in errors (formatted only then)."""
-        seq = self.seq
-        self.seq += 1
-        mesh = self.meshes[seq % len(self.meshes)]
-        dtype = _DTYPES.get(array.dtype, 0) if array is not None else 0
-        count = array.size if array is not None else 0
-        op = frames.OPS[op_name]
-        redop_code = redop.code if redop is not None else 0
-        if self.small is not None and announce:
-            self.small.announce(shm_channel.stamp(seq), shm_channel.descriptor(op, dtype, redop_code, root), count)
-        mesh.begin(seq, op, dtype, redop_code, count)
-        return OpContext(mesh, seq, op_name, dtype, redop_code, count, Deadline(self.timeout_s),
-                         Label(what + " (op #{})", *args, seq))
-
-    def take_seq(self) -> int:
-        """The next operation's number, taken (an operation through the small channel)."""
-        seq = self.seq
-        self.seq = seq + 1
-        return seq
-
-    def reduction(self, code: int, op: ReduceOp, dtype: np.dtype, root: int = -1) -> Tuple[int, Any]:
-        """(descriptor word, ufunc) of a reduction through the channel, kept: working them out
-        costs about a tenth of a small all_reduce."""
-        key = (code, op.op, dtype, root)
-        found = self._reductions.get(key)
-        if found is None:
-            word = shm_channel.descriptor(code, _DTYPES.get(dtype, 0), op.code, root)
-            found = self._reductions[key] = (word, kernel(op, dtype))
-        return found
-
-    # -- collectives: each goes the way its route table says (gloo_routes.py) --------------------
-
-    def route(self, nbytes: int, segment_for: Optional[Tuple[np.ndarray, ReduceOp]] = None) -> str:
-        """Where the next collective goes, each rank's part being ``nbytes``: SMALL when the
-        small channel holds it, SEGMENT for an all_reduce (``segment_for``: its array and op)
-        that the large shared segment takes, else MESH."""
-        small = self.small
-        if small is not None and nbytes <= small.slot_bytes:
-            return routes.SMALL
-        if segment_for is not None and self._use_segment(*segment_for):
-            return routes.SEGMENT
-        return routes.MESH
+    # -- collectives: the router says which way each goes ----------------------------------------
 
     def all_reduce(self, array: np.ndarray, op: ReduceOp) -> None:
         flat = array.reshape(-1)
         if op.factor is not None:
             flat[...] = prepare_input(op, flat)
         if self.size > 1:
-            routes.ALL_REDUCE[self.route(flat.nbytes, (flat, op))](self, flat, op)
+            self.router.all_reduce(flat, op)
         finish(op, flat, self.size)
-
-    def _use_segment(self, flat: np.ndarray, op: ReduceOp) -> bool:
-        """Whether a large all_reduce goes through the shared segment (set up on first use,
-        before the operation's own context is made: the setup is operations of its own)."""
-        least = self.small.slot_bytes + 1 if self.small is not None else SHM_MIN_BYTES
-        if not self.all_local or flat.nbytes < least or not self.large.may_use():
-            return False
-        if not self.large.tried:
-            if self.small is not None:  # a rank waiting in the channel sees the all_reduce, not the setup
-                word = shm_channel.descriptor(_ALL_REDUCE, _DTYPES.get(flat.dtype, 0), op.code, -1)
-                self.small.announce(shm_channel.stamp(self.seq), word, flat.size)
-            segment = agree_on_segment(partial(self.op_context, announce=False), self.rank,
-                                       ShmAllReduce.bytes_needed(self.size, SHM_SLOT_BYTES), "large all_reduce",
-                                       self.label)
-            self.large.set_up(segment, self.size, SHM_SLOT_BYTES)
-        return self.large.all_reduce is not None
 
     def broadcast(self, array: np.ndarray, root: int) -> None:
         if self.size > 1:
-            flat = array.reshape(-1)
-            routes.BROADCAST[self.route(flat.nbytes)](self, flat, root)
+            self.router.broadcast(array.reshape(-1), root)
 
     def reduce(self, array: np.ndarray, root: int, op: ReduceOp) -> None:
         flat = array.reshape(-1)
         work = prepare_input(op, flat) if op.factor is not None else flat
         if self.size > 1:
-            work = routes.REDUCE[self.route(flat.nbytes)](self, flat, work, root, op)
+            work = self.router.reduce(flat, work, root, op)
         if self.rank == root:
             if work is not flat:
                 flat[...] = work
             finish(op, flat, self.size)
 
     def all_gather(self, outputs: Sequence[np.ndarray], array: np.ndarray) -> None:
-        routes.ALL_GATHER[self.route(array.nbytes)](self, outputs, array)
+        self.router.all_gather(outputs, array)
 
     def all_gather_into(self, output: np.ndarray, array: np.ndarray) -> None:
         flat = output.reshape(-1)
         self.all_gather([flat[k * array.size:(k + 1) * array.size] for k in range(self.size)], array)
 
     def gather(self, outputs, array: np.ndarray, root: int) -> None:
-        routes.GATHER[self.route(array.nbytes)](self, outputs, array, root)
+        self.router.gather(outputs, array, root)
 
     def scatter(self, output: np.ndarray, inputs, root: int) -> None:
-        routes.SCATTER[self.route(output.nbytes * self.size)](self, output, inputs, root)
+        self.router.scatter(output, inputs, root)
 
     def reduce_scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray], op: ReduceOp) -> None:
-        parts = [prepare_input(op, a.reshape(-1)) for a in inputs]
-        routes.REDUCE_SCATTER[self.route(output.nbytes * self.size)](self, output, parts, op)
+        self.router.reduce_scatter(output, [prepare_input(op, a.reshape(-1)) for a in inputs], op)
         finish(op, output.reshape(-1), self.size)
 
     def reduce_scatter_into(self, output: np.ndarray, array: np.ndarray, op: ReduceOp) -> None:
-        routes.REDUCE_SCATTER_INTO[self.route(output.nbytes * self.size)](self, output, array.reshape(-1), op)
+        self.router.reduce_scatter_into(output, array.reshape(-1), op)
         finish(op, output.reshape(-1), self.size)
 
     def all_to_all(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray]) -> None:
-        ref = inputs[0] if inputs else None
-        ctx = self.op_context("all_to_all", ref, None, "all_to_all")
-        gather_algos.all_to_all(ctx, [bview(o) for o in outputs], [bview(i) for i in inputs])
+        self.router.all_to_all([bview(o) for o in outputs], [bview(i) for i in inputs],
+                               inputs[0] if inputs else None, "all_to_all")
 
     def all_to_all_single(self, output: np.ndarray, array: np.ndarray,
                           output_splits: List[int], input_splits: List[int]) -> None:
-        ctx = self.op_context("all_to_all", array, None, "all_to_all_single")
         row_out = int(np.prod(output.shape[1:])) if output.ndim > 1 else 1
         row_in = int(np.prod(array.shape[1:])) if array.ndim > 1 else 1
         outs = gather_algos.split_views(output.reshape(-1), output_splits, row_out)
         ins = gather_algos.split_views(array.reshape(-1), input_splits, row_in)
-        gather_algos.all_to_all(ctx, outs, ins)
+        self.router.all_to_all(outs, ins, array, "all_to_all_single")
 
     def barrier(self) -> None:
         if self.size > 1:
-            routes.BARRIER[self.route(0)](self)
+            self.router.barrier()
 
     def monitored_barrier(self, timeout: timedelta, wait_all_ranks: bool) -> None:
         """Rank 0 waits up to ``timeout`` for each rank, then names those that did not come."""
-        ctx = self.op_context("monitored_barrier", None, None, "monitored_barrier")
-        if self.size > 1:
-            p2p.monitored_barrier(ctx, timeout.total_seconds(), wait_all_ranks)
+        self.router.monitored_barrier(timeout.total_seconds(), wait_all_ranks)
 
     # -- point to point --------------------------------------------------------------------------
 
@@ -245,13 +173,7 @@ class GlooBackend(CommBackend):
     # -- teardown --------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        for mesh in self.meshes:
-            mesh.close()
-        self.meshes = []
-        if self.small is not None:
-            self.small.close()
-            self.small = None
-        self.large.close()
+        self.router.close()
 
     def abort(self, reason: str) -> None:
         for mesh in self.meshes:

@@ -24,30 +24,16 @@ from ...cpus import usable_cpus
 from ...deadline import Deadline
 from ...errors import DistBackendError
 from ...net import format_endpoint as net_endpoint
+from ..join import local_facts, publish_and_gather
+from .shared_segments import ContextFactory, agree_on_segment
 from .transport import address as addr
 from .transport import shm_channel, shm_wait
 from .transport.connection import crowded_receive_buffer
 from .transport.shm_channel import SmallChannel
 from .transport.tcp import Mesh
-from ..join import local_facts, publish_and_gather
-from .shared_segments import ContextFactory, agree_on_segment
 
 #: The backend's logger (users filter on its name).
 log = logging.getLogger("distlib.backends.gloo")
-
-#: Collectives whose part per rank fits a slot of the small channel go through it (all ranks
-#: local): SMALL_SLOT_BYTES, or less in large groups, so that an all_reduce (where every rank
-#: reads every slot) reads at most SMALL_READ_BYTES per rank. Above the slot the two-phase
-#: path of the shared segment's rounds takes over: the one-exchange channel is faster up to
-#: about 256 KiB, level there, behind above (bench/performance-log.md, 2026-11-24).
-SMALL_SLOT_BYTES = 256 << 10
-SMALL_READ_BYTES = 1 << 20
-
-
-def small_slot_bytes(size: int) -> int:
-    """The small channel's slot in a group of ``size`` ranks (a multiple of 64 bytes)."""
-    return max(4096, min(SMALL_SLOT_BYTES, SMALL_READ_BYTES // max(1, size)) // 64 * 64)
-
 
 def connect_group(store, rank: int, size: int, timeout_s: float, label: str, deadline: Deadline,
                   meshes: List[Mesh]) -> Tuple[list, bool, bool]:
@@ -141,13 +127,12 @@ def warn_loopback(label: str, records) -> None:
                 len({x["host_id"] for x in records}), r)
 
 
-def small_channel(make_ctx: ContextFactory, rank: int, size: int, timeout_s: float, label: str, mesh: Mesh,
-                  all_local: bool) -> Optional[SmallChannel]:
-    """Step 4, collective (every rank of the group, at init): the small-collective channel,
-    or None."""
+def small_channel(make_ctx: ContextFactory, rank: int, size: int, slot: int, timeout_s: float, label: str,
+                  mesh: Mesh, all_local: bool) -> Optional[SmallChannel]:
+    """Step 4, collective (every rank of the group, at init): the small-collective channel
+    with slots of ``slot`` bytes (sizes.small_slot_bytes), or None."""
     if size < 2 or not all_local or not settings.shared_memory() or not shm_channel.supported():
         return None
-    slot = small_slot_bytes(size)
     try:
         segment = agree_on_segment(make_ctx, rank, shm_channel.bytes_needed(size, slot),
                                    "small collectives", label, prefix="distlib-small")

@@ -15,12 +15,12 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ...errors import DistBackendError
+from ...reduce_op import ReduceOp
 from .algorithms import gather as gather_algos
 from .algorithms import reduce as reduce_algos
 from .algorithms.context import OpContext
 from .algorithms.shm_allreduce import ShmAllReduce
-from ...errors import DistBackendError
-from ...reduce_op import ReduceOp
 from .transport.shm import SharedSegment, free_bytes
 
 log = logging.getLogger("distlib.backends.gloo")

@@ -1,11 +1,11 @@
 """Data movement without reduction over TCP: broadcast, all_gather, gather, scatter, all_to_all,
 barrier.
 
-* broadcast: the root sends to everyone (small arrays, or two ranks); for large arrays and
-  more ranks, scatter from the root then a ring all-gather, so the root sends the array once
-  instead of n-1 times.
-* all_gather: everyone sends to everyone (small), or a ring that receives straight into the
-  output (large).
+* broadcast: the root sends to everyone (small arrays, or two ranks); split_broadcast, for
+  large arrays and more ranks: scatter from the root then a ring all-gather, so the root
+  sends the array once instead of n-1 times.
+* all_gather: everyone sends to everyone (small); ring_all_gather: a ring that receives
+  straight into the output (large).
 * all_to_all: receives are posted for every peer before any send, then each rank sends to
   r+1, r+2, ...: every pair's data flows at once and nothing waits on anything else.
 * barrier: a dissemination barrier, ceil(log2 n) rounds of empty frames.
@@ -19,17 +19,10 @@ import numpy as np
 
 from .context import STEP_STRIDE, OpContext, bview, chunk_bounds, pieces
 
-#: Above this many bytes (and more than two ranks) broadcast goes scatter + all-gather.
-BROADCAST_SPLIT_BYTES = 256 << 10
-#: Above this many bytes per rank all_gather goes round the ring.
-ALL_GATHER_RING_BYTES = 64 << 10
-
 
 def broadcast(ctx: OpContext, flat: np.ndarray, root: int) -> None:
+    """The root sends ``flat`` to every other rank."""
     n, r = ctx.size, ctx.rank
-    if n > 2 and flat.nbytes > BROADCAST_SPLIT_BYTES:
-        _scatter_allgather_broadcast(ctx, flat, root)
-        return
     if r == root:
         view = bview(flat)
         for i in range(1, n):
@@ -38,8 +31,8 @@ def broadcast(ctx: OpContext, flat: np.ndarray, root: int) -> None:
         ctx.wait(ctx.post(root, bview(flat), 0))
 
 
-def _scatter_allgather_broadcast(ctx: OpContext, flat: np.ndarray, root: int) -> None:
-    """Relative rank v = (r - root) % n owns chunk v after the scatter; then the ring.
+def split_broadcast(ctx: OpContext, flat: np.ndarray, root: int) -> None:
+    """Scatter from the root, then a ring all-gather. Relative rank v = (r - root) % n owns chunk v after the scatter; then the ring.
 
     The root already holds every chunk: in the ring it sends from its own copy at each step
     and receives nothing, and the rank before it sends it nothing (a quarter less traffic
@@ -78,19 +71,22 @@ def _scatter_allgather_broadcast(ctx: OpContext, flat: np.ndarray, root: int) ->
 
 
 def all_gather(ctx: OpContext, outputs: Sequence[np.ndarray], mine: np.ndarray) -> None:
-    """``outputs[k]`` receives rank k's ``mine`` (outputs[r] gets a copy of this rank's)."""
+    """``outputs[k]`` receives rank k's ``mine`` (outputs[r] gets a copy of this rank's):
+    every rank sends to every other."""
     n, r = ctx.size, ctx.rank
     outputs[r].reshape(-1)[...] = mine.reshape(-1)
-    if n == 1:
-        return
-    if mine.nbytes <= ALL_GATHER_RING_BYTES:
-        slots = [ctx.post(p, bview(outputs[p]), 0) for p in range(n) if p != r]
-        view = bview(mine)
-        for i in range(1, n):
-            ctx.send((r + i) % n, view, 0)
-        for slot in slots:
-            ctx.wait(slot)
-        return
+    slots = [ctx.post(p, bview(outputs[p]), 0) for p in range(n) if p != r]
+    view = bview(mine)
+    for i in range(1, n):
+        ctx.send((r + i) % n, view, 0)
+    for slot in slots:
+        ctx.wait(slot)
+
+
+def ring_all_gather(ctx: OpContext, outputs: Sequence[np.ndarray], mine: np.ndarray) -> None:
+    """all_gather round the ring, each piece received straight into its output."""
+    n, r = ctx.size, ctx.rank
+    outputs[r].reshape(-1)[...] = mine.reshape(-1)
     right, left = (r + 1) % n, (r - 1) % n
     slots = [ctx.post(left, bview(outputs[(r - s - 1) % n]), 1 + s) for s in range(n - 1)]
     for s in range(n - 1):

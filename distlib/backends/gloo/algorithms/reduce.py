@@ -1,6 +1,6 @@
 """Reductions over TCP: all_reduce, reduce, reduce_scatter.
 
-Which algorithm, by size (all of them give every rank bit-identical results, because each
+Which algorithm, by size (sizes.py decides; all of them give every rank bit-identical results, because each
 element is reduced once, in one fixed order, and then copied):
 
 * **direct** (small arrays, few ranks): every rank sends its whole array to every other and
@@ -231,32 +231,7 @@ def ring_reduce_scatter_into(ctx: OpContext, work: np.ndarray, output: np.ndarra
     output.reshape(-1)[...] = work[lo:hi]
 
 
-#: Up to this many bytes per rank an all_reduce is latency-bound: a one-round or log-round
-#: algorithm, not the ring.
-SMALL_BYTES = 64 << 10
-
-
-def choose_all_reduce(nbytes: int, n: int, crowded: bool = False) -> str:
-    """The algorithm for an all_reduce of ``nbytes`` per rank over ``n`` ranks.
-
-    ``crowded``: the ranks on this machine outnumber its CPUs. Then the CPUs, not the
-    rounds, are the bottleneck, and the algorithm that moves the fewest frames wins: each
-    frame costs its sender a system call that also runs the receiver's side of loopback TCP
-    and wakes it. The tree moves 2(n-1) frames, recursive doubling about n log2 n, the
-    direct exchange n(n-1) (measurements: bench/performance-log.md, 2026-11-24). With a CPU
-    per rank the rounds count, and the one-round direct exchange stays.
-    """
-    if n == 1:
-        return "none"
-    if nbytes <= SMALL_BYTES and crowded and n > 2:
-        return "tree"
-    if nbytes * (n - 1) <= (256 << 10) and n <= 8:
-        return "direct"
-    if nbytes <= SMALL_BYTES:
-        return "recursive_doubling"
-    return "ring"
-
-
+#: The algorithms by name, as sizes.choose_all_reduce names them.
 ALL_REDUCE = {
     "direct": direct_all_reduce,
     "recursive_doubling": recursive_doubling_all_reduce,

@@ -19,7 +19,6 @@ import numpy as np
 
 from ..transport.shm_channel import SUB_BITS, SmallChannel
 
-
 _BYTES = np.dtype(np.uint8)
 
 
