@@ -1,4 +1,4 @@
-"""distlib/transport/accept.py: a mesh listener's side of the handshake (the token's
+"""distlib/backends/gloo/transport/accept.py: a mesh listener's side of the handshake (the token's
 challenge-response, then HELLO), against a real peer on a real TCP connection."""
 
 import socket

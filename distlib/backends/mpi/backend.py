@@ -5,17 +5,17 @@ MPI_Reduce, MPI_Allgather, MPI_Gather, MPI_Scatter, MPI_Reduce_scatter_block,
 MPI_Alltoallv, MPI_Barrier) or point-to-point call (MPI_Isend, MPI_Irecv), so the MPI
 library's tuned algorithms and its shared-memory transport do the work; distlib adds what
 torch's ProcessGroupMPI does not have: reduce_scatter, the ``*_tensor`` variants, AVG,
-PREMUL_SUM, the bitwise ops, bool and float16 (mpi_ops.py). List arguments (all_gather's
+PREMUL_SUM, the bitwise ops, bool and float16 (ops.py). List arguments (all_gather's
 outputs, scatter's inputs, ...) are staged through one contiguous buffer, since MPI
 collectives take one buffer per rank.
 
-Rank and size come from MPI_COMM_WORLD (mpi_runtime.py); no store is used. The default
+Rank and size come from MPI_COMM_WORLD (runtime.py); no store is used. The default
 group's communicator is a duplicate of MPI_COMM_WORLD, so the program's own mpi4py traffic
 never meets distlib's; a ``new_group`` is ``MPI_Comm_create_group`` over its members only
 (non-members take no part, so ``use_local_synchronization`` works too). monitored_barrier
 runs on a second duplicate, with point-to-point messages that rank 0 can stop waiting for.
 
-Every blocking call has the group's timeout (mpi_watchdog.py: past it the job is aborted
+Every blocking call has the group's timeout (watchdog.py: past it the job is aborted
 with a message saying what was waited for, since an MPI call cannot be cancelled). An error
 MPI reports is raised as DistBackendError naming the operation and MPI's error text.
 """

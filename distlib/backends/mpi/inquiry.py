@@ -11,7 +11,7 @@ own code from one that issued another operation (ranks that disagree on the orde
 The questions and answers travel on a communicator of their own (a duplicate of
 MPI_COMM_WORLD, made with the backend's first communicator), between watchdog threads only
 (MPI_THREAD_MULTIPLE): a query is one byte, an answer a short JSON text in a fixed buffer.
-Each watchdog looks for queries every time it wakes (mpi_watchdog.CHECK_INTERVAL).
+Each watchdog looks for queries every time it wakes (watchdog.CHECK_INTERVAL).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ a singleton MPI_Init costs about a second here. ``init_process_group("mpi")`` in
 
 Thread level: distlib needs ``MPI_THREAD_MULTIPLE`` and asks for it. A sync operation runs
 in the caller's thread, an async one on its group's executor thread (one per group), an
-``irecv`` completes in whichever thread waits for it, and the watchdog (mpi_watchdog.py) calls
+``irecv`` completes in whichever thread waits for it, and the watchdog (watchdog.py) calls
 ``MPI_Abort`` while another thread is blocked in MPI: only MULTIPLE allows all of that. A
 lower level is refused with an error saying so (MPI initialised by the program with
 ``mpi4py.rc.thread_level`` set lower, or a library without thread support). Serialising
@@ -51,7 +51,7 @@ class _State:
         self.we_initialised = False
         self.level: Optional[int] = None
         self.parent = None  # a duplicate of MPI_COMM_WORLD, the parent of every group's communicator
-        self.in_flight = None  # callable: descriptions of operations still running (mpi_watchdog)
+        self.in_flight = None  # callable: descriptions of operations still running (watchdog.py)
         self.finalize_hooks = []  # callables run before MPI_Finalize
         self.diagnostics = None  # a duplicate of MPI_COMM_WORLD for the watchdogs' questions
 
@@ -153,7 +153,7 @@ def parent_communicator():
 
 
 def diagnostics_communicator():
-    """The watchdogs' own duplicate of MPI_COMM_WORLD (mpi_inquiry.py), once made."""
+    """The watchdogs' own duplicate of MPI_COMM_WORLD (inquiry.py), once made."""
     return _state.diagnostics
 
 

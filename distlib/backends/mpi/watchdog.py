@@ -4,8 +4,8 @@ An MPI call can be neither interrupted nor cancelled: a collective waiting for a
 never comes blocks forever. So every blocking call of the mpi backend is registered here with
 its group's timeout, and a daemon thread looks at the calls in flight every CHECK_INTERVAL
 seconds. When one is overdue it asks the group's other ranks what they are doing
-(mpi_inquiry.py), says what was waited for, in which group, for how long, and who has not
-come, and aborts the job (mpi_runtime.abort), as torch's NCCL watchdog tears the process down:
+(inquiry.py), says what was waited for, in which group, for how long, and who has not
+come, and aborts the job (runtime.abort), as torch's NCCL watchdog tears the process down:
 an error raised in Python could not unblock the call, and the job would hang. The same thread
 answers the other ranks' questions.
 

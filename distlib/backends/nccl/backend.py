@@ -2,7 +2,7 @@
 
 What it does the way torch's ProcessGroupNCCL does:
 
-* **One communicator per group and rank**, on one GPU (nccl_devices.py says which). Rank 0
+* **One communicator per group and rank**, on one GPU (devices.py says which). Rank 0
   makes the unique id and publishes it with its join record through the group's store; every
   rank waits for everyone's record (backends/join.py: the timeout names the missing ranks),
   then ``ncclCommInitRank`` runs with a deadline. At init when ``device_id`` is given, else at
@@ -13,21 +13,21 @@ What it does the way torch's ProcessGroupNCCL does:
   for the caller's current stream; the call returns once it is enqueued, and a synchronous
   call leaves the caller's stream waiting on the operation (no host synchronisation). Arrays
   and temporaries are kept alive until the operation has finished on the GPU.
-* **Work** (nccl_work.py): ``wait()`` makes the current stream wait, ``wait(timeout)`` and
+* **Work** (work.py): ``wait()`` makes the current stream wait, ``wait(timeout)`` and
   ``synchronize()`` block the host, ``is_completed()`` asks the event, ``exception()`` holds
   the failure. The watchdog settles Works in issue order, in batches; a call costs the same
   however many operations are in flight.
-* **Failure:** a watchdog (nccl_watchdog.py) aborts the communicator on a timeout or an NCCL
+* **Failure:** a watchdog (watchdog.py) aborts the communicator on a timeout or an NCCL
   error, and every later call or ``wait()`` raises DistBackendError naming the operation, its
   number in the group and the ranks that had not reached it. Every NCCL call on the
-  communicator goes through nccl_comm.Communicator, one thread at a time.
+  communicator goes through comm.Communicator, one thread at a time.
 * **Teardown, as torch >= 2.6:** ``shutdown()`` (destroy_process_group) waits for every
   enqueued operation (the watchdog still enforces the timeout), then destroys the
   communicator; it aborts only a group that has already failed. ``abort()`` (torch's
   ``Backend.abort()``, ``_abort_process_group``) drops what is pending at once.
 
-What each collective is in NCCL calls is nccl_plan.py; how dtypes and ops map is
-nccl_types.py. This module only turns plans into cupy calls: keep it small.
+What each collective is in NCCL calls is plan.py; how dtypes and ops map is
+dtypes.py. This module only turns plans into cupy calls: keep it small.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class NcclBackend(StreamOrderedBackend):
                                  recycle=self._recycle).start()
 
     def _own_store(self):
-        """A second connection for the heartbeat and the diagnosis (see nccl_watchdog.Heartbeat),
+        """A second connection for the heartbeat and the diagnosis (see watchdog.Heartbeat),
         whose waits are short: a diagnosis must not wait a group timeout for a lost store."""
         try:
             store = self.store.clone()
@@ -302,7 +302,7 @@ class NcclBackend(StreamOrderedBackend):
         return np.dtype(how.view)
 
     def _issue(self, comm, steps, buffers, view, nccl_type: int) -> None:
-        """Each step as one cupy call on the backend's stream (see nccl_plan.py); NCCL gets
+        """Each step as one cupy call on the backend's stream (see plan.py); NCCL gets
         pointers (no array views are made except for a local Scale or Divide)."""
         stream, itemsize = self.stream.ptr, view.itemsize
         bases = [b.data.ptr for b in buffers]
