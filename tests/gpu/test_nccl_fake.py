@@ -154,6 +154,7 @@ def test_a_future_and_a_barrier_see_the_device_finish(one_rank):
     x = fake.cupy.asarray(np.full(2, 5.0, np.float32))
     release = fake.hold()
     work = dist.all_reduce(x, async_op=True)
+    assert isinstance(work, dist.Work)  # NcclWork implements the Work protocol
     future = work.get_future()
     assert not work.is_completed() and not future.done()
     release.set()

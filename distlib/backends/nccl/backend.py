@@ -19,8 +19,10 @@ What it does the way torch's ProcessGroupNCCL does:
   however many operations are in flight.
 * **Failure:** a watchdog (watchdog.py) aborts the communicator on a timeout or an NCCL
   error, and every later call or ``wait()`` raises DistBackendError naming the operation, its
-  number in the group and the ranks that had not reached it. Every NCCL call on the
-  communicator goes through comm.Communicator, one thread at a time.
+  number in the group and the ranks that had not reached it. The group's state (failing,
+  failed and its error, destroyed or aborted) is one object, ``self.lifecycle``
+  (lifecycle.py), which the watchdog, the communicator and the Works read. Every NCCL call on
+  the communicator goes through comm.Communicator, one thread at a time.
 * **Teardown, as torch >= 2.6:** ``shutdown()`` (destroy_process_group) waits for every
   enqueued operation (the watchdog still enforces the timeout), then destroys the
   communicator; it aborts only a group that has already failed. ``abort()`` (torch's
@@ -51,7 +53,8 @@ from . import plan as P
 from .comm import Communicator
 from .devices import check_same_device, choose_device, parse_device_id, shared_gpus_hint
 from .dtypes import UINT8, Wire, reduction, unique_id_bytes, unique_id_for, wire
-from .watchdog import SILENCE_CHECK_S, Heartbeat, Pending, Watchdog, diagnose, failure_text
+from .lifecycle import EnqueueFailure, Lifecycle
+from .watchdog import SILENCE_CHECK_S, Diagnosis, Heartbeat, Pending, Watchdog
 from .work import DeviceArrays, NcclRecv, NcclWork
 
 log = logging.getLogger("distlib.backends.nccl")
@@ -89,11 +92,8 @@ class NcclBackend(StreamOrderedBackend):
         self.heartbeat: Optional[Heartbeat] = None
         self._watch_store = None
         self._lock = threading.RLock()
-        self._failing = threading.Event()
-        self._failure_ready = threading.Event()
-        self._failure: Optional[BaseException] = None
-        self._enqueue_failure: Optional[Tuple[str, int, bool, str]] = None
-        self._closed: Optional[str] = None
+        #: The group's state: failing, failed (its error), destroyed or aborted
+        self.lifecycle = Lifecycle(label, SILENCE_CHECK_S + 30.0)
         if self.bound is not None:
             with self._lock:
                 self._connect(self.bound, f"device_id={self.bound}")
@@ -115,7 +115,8 @@ class NcclBackend(StreamOrderedBackend):
                                       as_tuple=cupy_env.cupy_major(cupy) < 14)
             try:
                 comm = Communicator.create(self.nccl, self.size, unique_id, self.rank,
-                                           lambda: cupy.cuda.Device(device), self.timeout_s, f"{who} on cuda:{device}")
+                                           lambda: cupy.cuda.Device(device), self.timeout_s, f"{who} on cuda:{device}",
+                                           self.lifecycle)
             except DistBackendError as exc:
                 hosts = ", ".join(sorted(set(self.hosts.values())))
                 raise DistBackendError(f"{exc} (all {self.size} ranks had joined, on {hosts}; run with NCCL_DEBUG=INFO "
@@ -125,15 +126,15 @@ class NcclBackend(StreamOrderedBackend):
                 self._ready = cupy.cuda.Event(block=False, disable_timing=True)
         except BaseException as exc:
             if not isinstance(exc, (ValueError, TypeError)):
-                self._failure = exc  # the group cannot be used: every later call says why
-                self._failing.set()
-                self._failure_ready.set()
+                self.lifecycle.fail(exc)  # the group cannot be used: every later call says why
             raise
         self.comm, self.device = comm, device
         log.info("%s: NCCL %d communicator of %d ranks on cuda:%d (%s)", who, self.version, self.size, device, why)
         self._watch_store = self._own_store()
         self.heartbeat = Heartbeat(self._watch_store, self.rank, lambda: self.seq, self.label).start()
-        self.watchdog = Watchdog(self.label, self.timeout_s, self._async_error, self._fail,
+        diagnosis = Diagnosis(who, self.size, self._watch_store, self.hosts, device, lambda: self.seq,
+                              self.lifecycle)
+        self.watchdog = Watchdog(self.label, self.timeout_s, self.lifecycle, comm, diagnosis,
                                  on_thread_start=lambda: cupy.cuda.Device(device).use(),
                                  recycle=self._recycle).start()
 
@@ -180,53 +181,24 @@ class NcclBackend(StreamOrderedBackend):
     # -- failure ---------------------------------------------------------------------------------
 
     def failing(self) -> bool:
-        return self._failing.is_set()
+        return self.lifecycle.failing.is_set()
 
     def host_wait_s(self) -> float:
         """A host wait's default deadline: the group timeout, the diagnosis, and room."""
         return self.timeout_s + SILENCE_CHECK_S + 30.0
 
     def raise_if_failed(self) -> None:
-        if self._failing.is_set():
-            self._failure_ready.wait(SILENCE_CHECK_S + 30.0)
-            raise self._failure or DistBackendError(f"{self.label}: the NCCL communicator failed")
+        self.lifecycle.raise_if_failed()
 
     def _enqueue_failed(self, what: str, collective: bool, exc: BaseException) -> DistBackendError:
         """Part of an operation may be enqueued and the others wait for the rest: fail the group
         now; the watchdog aborts the communicator and makes the full error for later calls."""
         seq = (self.seq if collective else self.p2p_seq) + 1
         cause = f"could not be enqueued on rank {self.rank} ({type(exc).__name__}: {exc})"
-        self._enqueue_failure = (what, seq, collective, cause)
-        self._failing.set()
+        self.lifecycle.enqueue_failed(EnqueueFailure(what, seq, collective, cause))
         self.watchdog.wake.set()
         return DistBackendError(f"{self.label} rank {self.rank}: {what} {cause}; the NCCL communicator is being "
                                 f"aborted: destroy_process_group() and init again to go on")
-
-    def _async_error(self) -> Optional[str]:
-        if self._enqueue_failure is not None:
-            return self._enqueue_failure[3]
-        return self.comm.async_error()
-
-    def _fail(self, pending: Optional[Pending], cause: str) -> BaseException:
-        """The group's failure (the watchdog's, or a destroy that ran out of time): abort, find
-        who lagged, keep the error for every later call."""
-        self._failing.set()  # from here on, nothing new is enqueued (raise_if_failed)
-        self.comm.abort()
-        first, second, problem, watched = diagnose(self._watch_store, self.size, self.watchdog.stop)
-        if self._enqueue_failure is not None:
-            what, seq, collective, _ = self._enqueue_failure
-            what = f"{what} on cuda:{self.device}"
-        elif pending is None:
-            what, seq, collective = (f"the communicator on cuda:{self.device}, idle after collective #{self.seq},",
-                                     None, True)
-        else:
-            what, seq, collective = f"{pending.what} on cuda:{self.device}", pending.seq, pending.collective
-        text = failure_text(f"{self.label} rank {self.rank}", what, seq, collective, cause, self.size, first, second,
-                            self.hosts, watched, problem)
-        log.error("%s", text)
-        self._failure = DistBackendError(text)
-        self._failure_ready.set()
-        return self._failure
 
     # -- enqueueing ------------------------------------------------------------------------------
 
@@ -248,10 +220,10 @@ class NcclBackend(StreamOrderedBackend):
                 blocking: bool = False, result: Optional[Sequence] = None, device: Optional[int] = None,
                 view=None) -> NcclWork:
         with self._lock:
-            if self._closed is not None:
-                raise DistBackendError(f"{self.label}: the process group was {self._closed}")
-            if self._failing.is_set():
-                self.raise_if_failed()
+            lifecycle = self.lifecycle
+            lifecycle.check_open()
+            if lifecycle.failing.is_set():
+                lifecycle.raise_if_failed()
             device = self._device_for(arrays, device)
             if view is None:
                 view = self._view_dtype(plan.wire, arrays)
@@ -271,11 +243,7 @@ class NcclBackend(StreamOrderedBackend):
             with stream:
                 temps = tuple(cupy.empty(n, dtype=view) for n in plan.temps)
         buffers = [*arrays, *temps]
-        try:
-            raw = self.comm.acquire()
-        except DistBackendError:  # aborted by the watchdog meanwhile: its error, not this one
-            self.raise_if_failed()
-            raise
+        raw = self.comm.acquire()  # aborted by the watchdog meanwhile: the group's error
         try:
             self._issue(raw, plan.steps, buffers, view, plan.wire.nccl_type)
         except Exception as exc:  # NCCL or CUDA refused part of it: the group is broken
@@ -290,7 +258,7 @@ class NcclBackend(StreamOrderedBackend):
         else:
             self.p2p_seq += 1
             seq = self.p2p_seq
-        work = NcclWork(self, op_name, seq, done, arrays if result is None else result, blocking)
+        work = NcclWork(self.lifecycle, self, op_name, seq, done, arrays if result is None else result, blocking)
         self.watchdog.add(Pending(seq, collective, op_name, arrays[0] if arrays else None, time.monotonic(), done,
                                   buffers, work))
         return work
@@ -455,28 +423,21 @@ class NcclBackend(StreamOrderedBackend):
     def object_arrays(self) -> DeviceArrays:
         return DeviceArrays(self)
 
-    def _close(self, how: str) -> bool:
-        """Refuse new operations from now on; False if already closed."""
-        with self._lock:
-            if self._closed is not None:
-                return False
-            self._closed = how
-            return True
-
     def shutdown(self) -> None:
         """destroy_process_group, as torch >= 2.6: every enqueued operation finishes first
         (within the group timeout, which the watchdog still enforces: a dead peer fails the
         group, and then it is aborted), then ncclCommDestroy; the threads stop."""
-        if not self._close("destroyed"):
-            return
-        if self.watchdog is not None and not self.watchdog.failed:
+        with self._lock:
+            if not self.lifecycle.close("destroyed"):
+                return
+        if self.watchdog is not None and not self.watchdog.handled_failure:
             if not self.watchdog.flush(self.timeout_s + FLUSH_ROOM_S):
                 self.watchdog.fail_all(f"was still pending when destroy_process_group() had waited "
                                        f"{self.timeout_s + FLUSH_ROOM_S:.1f}s for it")
         self._stop_threads(DistBackendError(f"{self.label}: the process group was destroyed before this "
                                             f"operation finished"))
         if self.comm is not None:
-            if self._failing.is_set():
+            if self.lifecycle.failing.is_set():
                 self.comm.abort()  # done already by the failure; idempotent
             else:
                 self.comm.destroy()
@@ -485,16 +446,14 @@ class NcclBackend(StreamOrderedBackend):
     def abort(self, reason: Optional[str] = None) -> None:
         """torch's Backend.abort(): ncclCommAbort now; what is pending is dropped and its Work
         fails with ``reason``; later calls raise the same."""
-        if not self._close("aborted"):
-            return
+        with self._lock:
+            if not self.lifecycle.close("aborted"):
+                return
         pending = self.watchdog.outstanding() if self.watchdog is not None else 0
         error = DistBackendError(f"{self.label} rank {self.rank}: the process group was aborted"
                                  f"{f' ({reason})' if reason else ''}; {pending} operation(s) still pending were "
                                  f"dropped")
-        if self._failure is None:
-            self._failure = error
-        self._failing.set()
-        self._failure_ready.set()
+        self.lifecycle.fail(error)  # the first error stays (a failure before the abort)
         if self.watchdog is not None:
             self.watchdog.halt()
         if self.comm is not None:
@@ -505,7 +464,7 @@ class NcclBackend(StreamOrderedBackend):
     def _stop_threads(self, error: BaseException) -> None:
         left: List[Pending] = self.watchdog.close() if self.watchdog is not None else []
         for pending in left:
-            pending.work._settle(error)
+            pending.work.settle(error)
         if self.heartbeat is not None:
             self.heartbeat.close()
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Optional
 
 from ...deadline import format_duration
 from ...errors import DistBackendError
+from .lifecycle import Lifecycle
 
 log = logging.getLogger("distlib.backends.nccl")
 
@@ -62,14 +63,14 @@ def _in_thread(fn: Callable[[], Any], name: str, seconds: float) -> Dict[str, An
 class Communicator:
     """A cupy NcclCommunicator used by one thread at a time (see the module docstring)."""
 
-    def __init__(self, raw, nccl, label: str):
-        self._raw, self._nccl, self.label = raw, nccl, label
+    def __init__(self, raw, nccl, label: str, lifecycle: Lifecycle):
+        self._raw, self._nccl, self.label, self.lifecycle = raw, nccl, label, lifecycle
         self._lock = threading.Lock()
         self.state = LIVE
 
     @classmethod
     def create(cls, nccl, size: int, unique_id, rank: int, use_device: Callable[[], Any], seconds: float,
-               label: str) -> "Communicator":
+               label: str, lifecycle: Lifecycle) -> "Communicator":
         """ncclCommInitRank with a deadline.
 
         Args:
@@ -78,6 +79,8 @@ class Communicator:
             use_device: a context manager factory making the rank's GPU current.
             seconds: the deadline (the group timeout).
             label: "pg0/nccl rank 3", for the texts.
+            lifecycle: the group's state (an operation refused because the communicator was
+                aborted raises the group's error).
 
         Returns:
             The Communicator.
@@ -100,7 +103,7 @@ class Communicator:
             raise DistBackendError(f"{label}: ncclCommInitRank did not finish within {format_duration(seconds)}")
         if "error" in box:
             raise DistBackendError(f"{label}: ncclCommInitRank failed: {box['error']}") from box["error"]
-        return cls(box["value"], nccl, label)
+        return cls(box["value"], nccl, label, lifecycle)
 
     # -- the caller's enqueue ---------------------------------------------------------------------
 
@@ -108,11 +111,13 @@ class Communicator:
         """The raw communicator for one operation's calls, held until ``release()``.
 
         Raises:
-            DistBackendError: the communicator was aborted or destroyed.
+            DistBackendError: the group's error (the communicator was aborted because the group
+                failed), or that the communicator was aborted or destroyed.
         """
         self._lock.acquire()
         if self.state is not LIVE:
             self._lock.release()
+            self.lifecycle.raise_if_failed()  # aborted by the watchdog meanwhile: its error, not this one
             raise DistBackendError(f"{self.label}: the NCCL communicator was {self.state}")
         return self._raw
 

@@ -6,9 +6,12 @@ host notices by itself that it never finishes. A thread per backend polls (``Wat
 the oldest outstanding operation's completion (they finish in issue order: one stream) and
 its age against the group timeout, and the communicator's asynchronous error
 (``ncclCommGetAsyncError``: a peer that exited, a network failure); it settles finished Works
-in batches. On the first failure the backend aborts its communicator (so the stuck kernels
-end) and every later call, and every ``wait()``, raises the error made here. A destroy waits
-for the queue to empty (``flush``) while the watchdog keeps enforcing the timeout.
+in batches. On the first failure it aborts the communicator (so the stuck kernels end), has
+the failure described (``Diagnosis``) and makes it the group's error in the group's
+``Lifecycle`` (lifecycle.py), which every later call, and every ``wait()``, raises. It reads
+the state it needs there too (an enqueue that failed, whether completions still count) and
+calls nothing private of the backend. A destroy waits for the queue to empty (``flush``)
+while the watchdog keeps enforcing the timeout.
 
 To say who is to blame, which torch cannot, every rank publishes a small record in the
 group's store (``Heartbeat``): the sequence number of the last collective it issued and a
@@ -24,9 +27,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ...deadline import format_duration
+from ...errors import DistBackendError
+from .lifecycle import Lifecycle
 
 log = logging.getLogger("distlib.backends.nccl")
 
@@ -171,14 +176,60 @@ class Heartbeat:
             self.thread.join(timeout=THREAD_JOIN_S)
 
 
+class Diagnosis:
+    """The text of a group's failure: which operation (the oldest outstanding, the enqueue
+    that failed, or none: an idle communicator), its number, the cause, and who had not
+    reached it or went silent (the ranks' records in ``store``, read twice)."""
+
+    def __init__(self, label: str, size: int, store, hosts: Dict[int, str], device: int,
+                 issued: Callable[[], int], lifecycle: Lifecycle):
+        self.label, self.size, self.store, self.hosts, self.device = label, size, store, hosts, device
+        self.issued, self.lifecycle = issued, lifecycle
+
+    def describe(self, oldest: Optional["Pending"], cause: str, stop: threading.Event) -> str:
+        first, second, problem, watched = diagnose(self.store, self.size, stop)
+        refused = self.lifecycle.enqueue_failure
+        if refused is not None:
+            what, seq, collective = f"{refused.what} on cuda:{self.device}", refused.seq, refused.collective
+        elif oldest is None:
+            what, seq, collective = (f"the communicator on cuda:{self.device}, idle after collective "
+                                     f"#{self.issued()},", None, True)
+        else:
+            what, seq, collective = f"{oldest.what} on cuda:{self.device}", oldest.seq, oldest.collective
+        return failure_text(self.label, what, seq, collective, cause, self.size, first, second, self.hosts,
+                            watched, problem)
+
+
+class Settles(Protocol):
+    """What the watchdog needs of an operation's Work: to be settled, once, with None
+    (success) or the group's error."""
+
+    def settle(self, error: Optional[BaseException]) -> None: ...
+
+
+class Watched(Protocol):
+    """What the watchdog needs of the communicator: its asynchronous error, and its abort."""
+
+    def async_error(self) -> Optional[str]: ...
+
+    def abort(self) -> None: ...
+
+
+class Describes(Protocol):
+    """What makes a failure's text (``Diagnosis``)."""
+
+    def describe(self, oldest: Optional["Pending"], cause: str, stop: threading.Event) -> str: ...
+
+
 class Pending:
     """One enqueued operation: its number, what it is (made into text only for an error), when
     it was enqueued, the event recorded after it, what must stay alive until it has run, and
-    its Work (settled with ``work._settle(error_or_None)``)."""
+    its Work (``work.settle(error_or_None)``)."""
 
     __slots__ = ("seq", "collective", "op_name", "first", "started", "event", "keep", "work")
 
-    def __init__(self, seq: int, collective: bool, op_name: str, first, started: float, event, keep, work):
+    def __init__(self, seq: int, collective: bool, op_name: str, first, started: float, event, keep,
+                 work: Settles):
         self.seq, self.collective, self.op_name, self.first = seq, collective, op_name, first
         self.started, self.event, self.keep, self.work = started, event, keep, work
 
@@ -200,28 +251,27 @@ class Watchdog:
     25: a list searched by value made a call cost grow with the queue). ``add`` wakes the
     thread only when the queue was empty: no hand-off per operation.
 
-    On a failure it calls ``fail(oldest_or_None, cause)`` once (the backend aborts and makes
-    the error), settles every outstanding operation with that error, and stops. An exception
-    of the watchdog itself (an event query raising: the device is gone) is such a failure, so
-    the group fails with its text instead of hanging on a dead thread.
+    On a failure (``fail_all``, once) it marks the group failing and halted in ``lifecycle``,
+    aborts ``comm``, has ``diagnosis`` describe the failure, makes that the group's error,
+    settles every outstanding operation with it, and stops. An exception of the watchdog
+    itself (an event query raising: the device is gone) is such a failure, so the group fails
+    with its text instead of hanging on a dead thread. ``recycle(event)`` gets each finished
+    operation's event for reuse.
     """
 
-    def __init__(self, label: str, timeout_s: float, check_async: Callable[[], Optional[str]],
-                 fail: Callable[[Optional[Pending], str], BaseException],
+    def __init__(self, label: str, timeout_s: float, lifecycle: Lifecycle, comm: Watched, diagnosis: Describes,
                  on_thread_start: Optional[Callable[[], None]] = None,
                  recycle: Optional[Callable[[Any], None]] = None):
         self.label, self.timeout_s = label, timeout_s
-        self.check_async, self.fail, self.on_thread_start = check_async, fail, on_thread_start
-        self.recycle = recycle
+        self.lifecycle, self.comm, self.diagnosis = lifecycle, comm, diagnosis
+        self.on_thread_start, self.recycle = on_thread_start, recycle
         self.pending: Deque[Pending] = collections.deque()
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.wake = threading.Event()
         self.stop = threading.Event()
-        self.failed = False
-        self.halted = False  # from the first failure or abort on: an event's completion means nothing
-        self.error: Optional[BaseException] = None
-        self._failing = threading.Lock()
+        self._handled = False  # fail_all has run (once)
+        self._once = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name=f"distlib-nccl-watchdog-{label}", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -256,16 +306,17 @@ class Watchdog:
         finished = []
         with self.lock:
             pending = self.pending
-            while pending and not self.halted and pending[0].event.done:
+            while pending and not self.lifecycle.halted and pending[0].event.done:
                 finished.append(pending.popleft())
             oldest = pending[0] if pending else None
             if finished:
                 self.changed.notify_all()
         for entry in finished:  # one batch, outside the lock
-            entry.work._settle(None)
+            entry.work.settle(None)
             if self.recycle is not None:
                 self.recycle(entry.event)
-        cause = self.check_async()
+        refused = self.lifecycle.enqueue_failure
+        cause = refused.cause if refused is not None else self.comm.async_error()
         if cause is None and oldest is not None:
             age = (time.monotonic() if now is None else now) - oldest.started
             if age > self.timeout_s:
@@ -277,33 +328,46 @@ class Watchdog:
 
     def fail_all(self, cause: str, oldest: Optional[Pending] = None) -> BaseException:
         """Fail the group once (from the watchdog, or from a destroy that ran out of time):
-        ``fail`` makes the error, every outstanding operation is settled with it."""
-        with self._failing:
-            if self.failed:
-                return self.error
+        the communicator is aborted, the failure described and made the group's error (the
+        first error stays: an abort's, if it came first), every outstanding operation settled
+        with it."""
+        lifecycle = self.lifecycle
+        with self._once:
+            if self._handled:
+                return lifecycle.error
             with self.lock:
-                self.halted = True  # an aborted kernel completes its event too: no more successes
+                lifecycle.halt()  # an aborted kernel completes its event too: no more successes
                 if oldest is None and self.pending:
                     oldest = self.pending[0]
-            error = self.fail(oldest, cause)
+            lifecycle.begin_failure()  # from here on, nothing new is enqueued
+            self.comm.abort()
+            text = self.diagnosis.describe(oldest, cause, self.stop)
+            log.error("%s", text)
+            error = lifecycle.fail(DistBackendError(text))
             with self.lock:
                 failed, self.pending = self.pending, collections.deque()
-                self.error, self.failed = error, True
+                self._handled = True
                 self.changed.notify_all()
             for entry in failed:
-                entry.work._settle(error)
+                entry.work.settle(error)
             return error
+
+    @property
+    def handled_failure(self) -> bool:
+        """Whether the watchdog failed the group (fail_all ran)."""
+        return self._handled
 
     def halt(self) -> None:
         """Settle nothing as a success from now on (the communicator is about to be aborted)."""
         with self.lock:
-            self.halted = True
+            self.lifecycle.halt()
 
     def flush(self, seconds: float) -> bool:
-        """Wait until every outstanding operation is settled, or the group failed, within
-        ``seconds``; True if so (the watchdog keeps running meanwhile and enforces the timeout)."""
+        """Wait until every outstanding operation is settled, or the watchdog failed the group,
+        within ``seconds``; True if so (the watchdog keeps running meanwhile and enforces the
+        timeout)."""
         with self.lock:
-            return self.changed.wait_for(lambda: not self.pending or self.failed, seconds)
+            return self.changed.wait_for(lambda: not self.pending or self._handled, seconds)
 
     def close(self) -> List[Pending]:
         """Stop the thread (bounded); returns what was still outstanding."""

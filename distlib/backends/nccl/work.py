@@ -12,14 +12,15 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Protocol
 
 import numpy as np
 
 from ...deadline import Deadline, format_duration
 from ...errors import DistBackendError
-from ...work import Future, Work
+from ...work import Future
 from ..base import RecvHandle
+from .lifecycle import Lifecycle
 
 PENDING, DONE, FAILED = 0, 1, 2
 #: A host wait polls the event: at once a few times, then sleeping up to this long.
@@ -28,36 +29,51 @@ MAX_POLL_SLEEP_S = 0.001
 _futures = threading.Lock()
 
 
-class NcclWork(Work):
-    """torch's Work for an NCCL operation (see the module docstring).
+class Stream(Protocol):
+    """What a Work needs of its backend besides the group's state: its label, how long a host
+    wait lasts by default, and ordering the caller's stream after an event."""
+
+    label: str
+
+    def host_wait_s(self) -> float: ...
+
+    def stream_waits_for(self, event: Any) -> None: ...
+
+
+class NcclWork:
+    """torch's Work for an NCCL operation (see the module docstring; distlib.work.Work is the
+    Protocol it implements).
 
     ``wait()`` makes the caller's current stream wait (the host only for a barrier or with a
     timeout); ``synchronize()`` blocks the host; ``is_completed()`` asks the event (once the
-    group failed: only the watchdog, since an aborted kernel completes its event too).
+    group failed: only the watchdog, since an aborted kernel completes its event too). The
+    group's state is ``lifecycle`` (lifecycle.py); the watchdog settles it (``settle``).
     """
 
-    def __init__(self, backend, op_name: str, seq: int, event, result: List[Any], blocking: bool):
-        # Work.__init__ is not called: its Future (an Event and a Lock) is made only if asked for.
+    __slots__ = ("op_name", "seq", "_result", "_lifecycle", "_stream", "_event", "_blocking", "_state", "_error",
+                 "_future_made")
+
+    def __init__(self, lifecycle: Lifecycle, stream: Stream, op_name: str, seq: int, event, result: List[Any],
+                 blocking: bool):
+        # Light: no lock and no Event of its own (the Future is made only if asked for).
         self.op_name, self._result, self.seq = op_name, result, seq
-        self._backend, self._event, self._blocking = backend, event, blocking
+        self._lifecycle, self._stream, self._event, self._blocking = lifecycle, stream, event, blocking
         self._state = PENDING
         self._error: Optional[BaseException] = None
         self._future_made: Optional[Future] = None
 
     # -- settling (the watchdog's thread) ---------------------------------------------------------
 
-    def _settle(self, error: Optional[BaseException]) -> None:
+    def settle(self, error: Optional[BaseException]) -> None:
+        """The operation has run (None) or the group failed (its error): once, by the watchdog,
+        or by the backend for what was pending when it closed."""
         self._error = error
         self._state = FAILED if error is not None else DONE  # before the Future is looked at
         future = self._future_made
         if future is not None:
             future._settle(None if error is not None else self._result, error)
 
-    def _finish(self, error: Optional[BaseException] = None, result: Optional[List[Any]] = None) -> None:
-        self._settle(error)
-
-    @property
-    def _future(self) -> Future:
+    def get_future(self) -> Future:
         """torch's Future, made on first use and settled by whichever of the watchdog and this
         thread sees the other's write last (Future._settle is idempotent)."""
         future = self._future_made
@@ -75,12 +91,12 @@ class NcclWork(Work):
     def is_completed(self) -> bool:
         if self._state != PENDING:
             return True
-        return not self._backend.failing() and bool(self._event.done)
+        return not self._lifecycle.failing.is_set() and bool(self._event.done)
 
     def is_success(self) -> bool:
         if self._state != PENDING:
             return self._state == DONE
-        return not self._backend.failing() and bool(self._event.done)
+        return not self._lifecycle.failing.is_set() and bool(self._event.done)
 
     def exception(self) -> Optional[BaseException]:
         return self._error
@@ -88,8 +104,8 @@ class NcclWork(Work):
     def _raise_failure(self) -> None:
         if self._state == FAILED:
             raise self._error
-        if self._state == PENDING and self._backend.failing():
-            self._backend.raise_if_failed()
+        if self._state == PENDING:
+            self._lifecycle.raise_if_failed()
 
     # -- waiting --------------------------------------------------------------------------------
 
@@ -97,17 +113,16 @@ class NcclWork(Work):
         """Until the operation has run on the device, the group fails, or the time is up
         (default: the group timeout and the watchdog's diagnosis, with room)."""
         if seconds is None:
-            seconds = self._backend.host_wait_s()
+            seconds = self._stream.host_wait_s()
         deadline = Deadline(seconds)
-        backend, event, pause = self._backend, self._event, 0.0
+        lifecycle, event, pause = self._lifecycle, self._event, 0.0
         while self._state == PENDING:
-            if backend.failing():
-                backend.raise_if_failed()
+            lifecycle.raise_if_failed()
             if event.done:
                 return
             if deadline.expired():
                 raise DistBackendError(f"Work.wait timed out after {format_duration(seconds)}: {self.op_name} "
-                                       f"(#{self.seq} of {backend.label}) has not finished")
+                                       f"(#{self.seq} of {self._stream.label}) has not finished")
             time.sleep(pause)
             pause = min(MAX_POLL_SLEEP_S, pause * 2 or 0.00005)
 
@@ -121,7 +136,7 @@ class NcclWork(Work):
                             (timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)))
         self._raise_failure()
         if self._state == PENDING:
-            self._backend.stream_waits_for(self._event)
+            self._stream.stream_waits_for(self._event)
         return True
 
     def synchronize(self) -> None:
@@ -166,5 +181,5 @@ class DeviceArrays:
     def get(self, array) -> np.ndarray:
         with self.cupy.cuda.Device(self.device):
             host = array.get()
-        self.backend.raise_if_failed()
+        self.backend.lifecycle.raise_if_failed()
         return host
