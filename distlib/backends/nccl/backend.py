@@ -221,7 +221,8 @@ class NcclBackend(StreamOrderedBackend):
                 view=None) -> NcclWork:
         with self._lock:
             lifecycle = self.lifecycle
-            lifecycle.check_open()
+            if lifecycle.closed is not None:
+                lifecycle.check_open()
             if lifecycle.failing.is_set():
                 lifecycle.raise_if_failed()
             device = self._device_for(arrays, device)
