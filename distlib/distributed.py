@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Dict, List, Optional
 
 from .backends import cupy_env
-from .backends.base import BackendBase
+from .backends.base import BackendBase, Placement
 from .backends.nccl.devices import parse_device_id
 from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
@@ -116,7 +116,8 @@ def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, 
     if name == Backend.GLOO:
         from .backends.gloo.backend import GlooBackend
 
-        return GlooBackend(_needs_store(store, name), rank, size, timeout, label=label)
+        return GlooBackend(_needs_store(store, name), rank, size, timeout, label=label,
+                           placement=Placement.from_environment(os.environ))
     if name == Backend.MPI:
         from .backends.mpi.backend import MPIBackend
 
@@ -124,7 +125,8 @@ def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, 
     if name == Backend.NCCL:
         from .backends.nccl.backend import NcclBackend
 
-        return NcclBackend(_needs_store(store, name), rank, size, timeout, label=label, device_id=device_id)
+        return NcclBackend(_needs_store(store, name), rank, size, timeout, label=label, device_id=device_id,
+                           placement=Placement.from_environment(os.environ))
     plugin = Backend._plugins.get(name.upper())
     if plugin is not None:
         if plugin.extended_api:

@@ -23,7 +23,7 @@ from ...deadline import Deadline
 from ...errors import DistBackendError
 from ...reduce_op import ReduceOp, finish, prepare_input
 from .. import cuda_staging
-from ..base import CommBackend, RecvHandle
+from ..base import CommBackend, Placement, RecvHandle
 from . import sizes
 from .algorithms import gather as gather_algos
 from .algorithms import p2p
@@ -52,7 +52,8 @@ class _P2PRecv(RecvHandle):
 class GlooBackend(CommBackend):
     name = "gloo"
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta, label: str = "gloo"):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, label: str = "gloo",
+                 placement: Placement = Placement()):
         super().__init__(store, rank, size, timeout)
         self.timeout_s = timeout.total_seconds()
         self.label = label
@@ -61,7 +62,7 @@ class GlooBackend(CommBackend):
         self.records: list = []
         try:
             self.records, all_local, crowded = connect_group(
-                store, rank, size, self.timeout_s, label, Deadline(self.timeout_s), meshes)
+                store, rank, size, self.timeout_s, label, Deadline(self.timeout_s), meshes, placement)
         except BaseException:
             close(meshes, None, large)
             raise
