@@ -107,6 +107,46 @@ def all_reduce_matrix(rank, ws, op_name, dtypes, sizes):
     return out
 
 
+def all_reduce_matrix_traced(rank, ws, op_name, dtypes, sizes):
+    """all_reduce_matrix, and the way each all_reduce went: [(dtype, size, ok, digest, path)],
+    path being the mesh algorithm's name (algorithms/reduce.py's ALL_REDUCE), "small" (the
+    small shared-memory channel), "segment" (the large shared segment) or "" (none: one rank).
+    Each way is traced by wrapping the function the router calls for it."""
+    from distlib.backends.gloo.algorithms import reduce as reduce_algos
+    from distlib.backends.gloo.algorithms import shm_small
+    from distlib.backends.gloo.algorithms.shm_allreduce import ShmAllReduce
+
+    taken = []
+
+    def traced(path, fn):
+        def run(*args, **kwargs):
+            taken.append(path)
+            return fn(*args, **kwargs)
+        return run
+
+    table, small, segment = dict(reduce_algos.ALL_REDUCE), shm_small.all_reduce, ShmAllReduce.run
+    reduce_algos.ALL_REDUCE.update({name: traced(name, fn) for name, fn in table.items()})
+    shm_small.all_reduce = traced("small", small)
+    ShmAllReduce.run = traced("segment", segment)
+    out = []
+    try:
+        for dtype in dtypes:
+            if not valid(op_name, dtype):
+                continue
+            for n in sizes:
+                inputs = [make_input(r, dtype, n, op_name) for r in range(ws)]
+                array = inputs[rank].copy()
+                before = len(taken)
+                dist.all_reduce(array, op=as_op(op_name))
+                path = "+".join(taken[before:])
+                out.append((dtype, n, close(array, reference(op_name, inputs)), digest(array), path))
+    finally:
+        reduce_algos.ALL_REDUCE.update(table)
+        shm_small.all_reduce = small
+        ShmAllReduce.run = segment
+    return out
+
+
 def reduce_matrix(rank, ws, op_name, dtypes, sizes, root):
     out = []
     for dtype in dtypes:
