@@ -552,3 +552,63 @@ def crowded_transport(rank, ws, n):
         dist.all_reduce(array)
         oks.append(bool(close(array, reference("SUM", inputs))))
     return buffers, oks
+
+
+#: What each rank tries after the group failed (issue 37): each must raise on every rank.
+LATER_OPERATIONS = ["all_reduce", "large all_reduce", "broadcast", "barrier", "all_gather", "reduce_scatter"]
+
+
+def _later(name, rank, ws, group):
+    if name == "all_reduce":
+        dist.all_reduce(np.ones(4, np.float32), group=group)
+    elif name == "large all_reduce":
+        dist.all_reduce(np.ones(300_000, np.float32), group=group)
+    elif name == "broadcast":
+        dist.broadcast(np.ones(4, np.float32), src=0, group=group)
+    elif name == "barrier":
+        dist.barrier(group=group)
+    elif name == "all_gather":
+        dist.all_gather([np.empty(3, np.int32) for _ in range(ws)], np.full(3, rank, np.int32), group=group)
+    elif name == "reduce_scatter":
+        dist.reduce_scatter(np.empty(2, np.float64), [np.ones(2) for _ in range(ws)], group=group)
+
+
+def stays_aborted(rank, ws, how):
+    """A new group of every rank fails (``how``: "mismatch", an all_reduce of float32[4] on rank
+    0 against float32[8] on the others; "timeout", rank 0 waits past the group timeout for rank
+    1, which joins only once it has learnt of the abort; "abort", rank 0 aborts the group), then
+    every rank tries each of LATER_OPERATIONS on it. Returns (the first error this rank saw, or
+    "no error"; [(operation, its error text or "no error")]); the group is destroyed after, and
+    the default group still works."""
+    group = dist.new_group(list(range(ws)), timeout=timedelta(seconds=3))
+    first = "no error"
+    try:
+        if how == "mismatch":
+            dist.all_reduce(np.ones(4 if rank == 0 else 8, np.float32), group=group)
+        elif how == "timeout":
+            if rank == 1:  # joins once rank 0's timeout has aborted the group (an observable condition)
+                health = group.backends["cpu"].meshes[0].health
+                deadline = time.monotonic() + 30
+                while health.error is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            dist.all_reduce(np.ones(4, np.float32), group=group)
+        elif how == "abort":
+            if rank == 0:  # torch's _abort_process_group: the group is gone here, the others must learn it
+                dist.distributed._abort_process_group(group)
+                check = np.ones(1)
+                dist.all_reduce(check)
+                return "aborted by this rank", [], float(check[0])
+            dist.all_reduce(np.ones(4, np.float32), group=group)
+    except dist.DistBackendError as exc:
+        first = str(exc)
+    later = []
+    for name in LATER_OPERATIONS:
+        try:
+            _later(name, rank, ws, group)
+            later.append((name, "no error"))
+        except dist.DistBackendError as exc:
+            later.append((name, str(exc)))
+    dist.destroy_process_group(group)
+    check = np.ones(1)
+    dist.all_reduce(check)
+    return first, later, float(check[0])

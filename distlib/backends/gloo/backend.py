@@ -6,7 +6,9 @@ shared memory between ranks of one host (transport/shm.py), and an algorithm per
 and size (algorithms/). Setting up is group_setup.py; where each collective goes is the
 router's (router.py: the small channel, the shared segment or the mesh). This module does
 what every route shares: the reduce op's arithmetic before and after (AVG, PREMUL_SUM), the
-group of one, point-to-point messages and teardown.
+group of one, point-to-point messages, teardown, and refusing every operation of a group
+that failed (Router.refusal: a group stays aborted until it is destroyed), before it touches
+the caller's arrays.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ class GlooBackend(CommBackend):
     # -- collectives: the router says which way each goes ----------------------------------------
 
     def all_reduce(self, array: np.ndarray, op: ReduceOp) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         flat = array.reshape(-1)
         if op.factor is not None:
             flat[...] = prepare_input(op, flat)
@@ -106,10 +110,14 @@ class GlooBackend(CommBackend):
         finish(op, flat, self.size)
 
     def broadcast(self, array: np.ndarray, root: int) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         if self.size > 1:
             self.router.broadcast(array.reshape(-1), root)
 
     def reduce(self, array: np.ndarray, root: int, op: ReduceOp) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         flat = array.reshape(-1)
         work = prepare_input(op, flat) if op.factor is not None else flat
         if self.size > 1:
@@ -120,6 +128,8 @@ class GlooBackend(CommBackend):
             finish(op, flat, self.size)
 
     def all_gather(self, outputs: Sequence[np.ndarray], array: np.ndarray) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         self.router.all_gather(outputs, array)
 
     def all_gather_into(self, output: np.ndarray, array: np.ndarray) -> None:
@@ -127,25 +137,37 @@ class GlooBackend(CommBackend):
         self.all_gather([flat[k * array.size:(k + 1) * array.size] for k in range(self.size)], array)
 
     def gather(self, outputs, array: np.ndarray, root: int) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         self.router.gather(outputs, array, root)
 
     def scatter(self, output: np.ndarray, inputs, root: int) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         self.router.scatter(output, inputs, root)
 
     def reduce_scatter(self, output: np.ndarray, inputs: Sequence[np.ndarray], op: ReduceOp) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         self.router.reduce_scatter(output, [prepare_input(op, a.reshape(-1)) for a in inputs], op)
         finish(op, output.reshape(-1), self.size)
 
     def reduce_scatter_into(self, output: np.ndarray, array: np.ndarray, op: ReduceOp) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         self.router.reduce_scatter_into(output, array.reshape(-1), op)
         finish(op, output.reshape(-1), self.size)
 
     def all_to_all(self, outputs: Sequence[np.ndarray], inputs: Sequence[np.ndarray]) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         self.router.all_to_all([bview(o) for o in outputs], [bview(i) for i in inputs],
                                inputs[0] if inputs else None, "all_to_all")
 
     def all_to_all_single(self, output: np.ndarray, array: np.ndarray,
                           output_splits: List[int], input_splits: List[int]) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         row_out = int(np.prod(output.shape[1:])) if output.ndim > 1 else 1
         row_in = int(np.prod(array.shape[1:])) if array.ndim > 1 else 1
         outs = gather_algos.split_views(output.reshape(-1), output_splits, row_out)
@@ -153,20 +175,28 @@ class GlooBackend(CommBackend):
         self.router.all_to_all(outs, ins, array, "all_to_all_single")
 
     def barrier(self) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         if self.size > 1:
             self.router.barrier()
 
     def monitored_barrier(self, timeout: timedelta, wait_all_ranks: bool) -> None:
         """Rank 0 waits up to ``timeout`` for each rank, then names those that did not come."""
+        if self.router.failure is not None:
+            raise self.router.refusal()
         self.router.monitored_barrier(timeout.total_seconds(), wait_all_ranks)
 
     # -- point to point --------------------------------------------------------------------------
 
     def send(self, array: np.ndarray, dst: int, tag: int) -> None:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         p2p.send(self.meshes[0], array, dtype_code(array.dtype), dst, tag, Deadline(self.timeout_s),
                  f"send of {array.size} x {array.dtype} to rank {dst} (tag {tag})")
 
     def post_recv(self, array: np.ndarray, src: Optional[int], tag: int) -> RecvHandle:
+        if self.router.failure is not None:
+            raise self.router.refusal()
         what = f"recv of {array.size} x {array.dtype} (tag {tag})"
         slot = p2p.post_recv(self.meshes[0], array, dtype_code(array.dtype), src, tag, what)
         return _P2PRecv(self.meshes[0], slot, Deadline(self.timeout_s))
@@ -176,6 +206,10 @@ class GlooBackend(CommBackend):
     def shutdown(self) -> None:
         self.router.close()
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: Optional[str] = None) -> None:
+        """torch's Backend.abort(): every rank is told (an ABORT frame), and every pending and
+        later operation on the group fails with the reason."""
+        error = DistBackendError(f"{self.label}: rank {self.rank}: the process group was aborted"
+                                 f"{f' ({reason})' if reason else ''}")
         for mesh in self.meshes:
-            mesh.abort(DistBackendError(reason))
+            mesh.abort(error)

@@ -37,6 +37,7 @@ import numpy as np
 
 from ...arrays import DTYPE_CODES as _DTYPES
 from ...deadline import Deadline
+from ...errors import DistBackendError
 from ...reduce_op import ReduceOp, kernel, prepare_input
 from . import sizes
 from .algorithms import gather as gather_algos
@@ -92,6 +93,26 @@ class Router:
         #: Bytes per rank the small channel holds (-1: no channel, nothing fits).
         self.small_bytes = -1
         self._reductions: Dict[tuple, Reduction] = {}
+        #: The group's first failure (a mismatch, a timeout, a lost peer, an abort, here or on
+        #: any rank): from then on every operation is refused, naming it (``refusal``)
+        self.failure: Optional[BaseException] = None
+        for mesh in meshes:
+            mesh.health.on_failure(self._failed)
+
+    def _failed(self, error: BaseException) -> None:
+        """A mesh's health failed (before any thread can see it: health.failure_hooks)."""
+        if self.failure is None:
+            self.failure = error
+
+    def refusal(self) -> DistBackendError:
+        """The error of an operation on a group that failed: it names the first failure. A
+        group stays failed until it is destroyed: ranks that both saw the failure could still
+        meet in the small channel, whose exchange needs no frame, and succeed there while
+        another rank raises."""
+        return DistBackendError(
+            f"{self.label}: rank {self.rank}: this process group was aborted by an earlier failure, and every "
+            f"operation on it fails until it is destroyed (destroy_process_group(group), then a new group): "
+            f"{self.failure}")
 
     def use_channel(self, channel: Optional[SmallChannel]) -> None:
         """Collectives whose part per rank fits ``channel``'s slot go through it from now on."""

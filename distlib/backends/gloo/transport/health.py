@@ -13,7 +13,9 @@ shared-memory channel (shm_channel.py), which both wait on peers:
   only the awaited one would usually blame an innocent rank.
 * **Failure:** a lost peer fails what waits on it (``peer_lost``); ``abort`` sends an ABORT
   frame with the reason to every peer and fails every pending and later operation with it.
-* **Hooks:** ``trouble_hooks`` are called when the group fails, a peer is lost, or the mesh
+* **Hooks:** ``failure_hooks`` are called with the group's error the moment it fails, before
+  any thread can see the failure (whoever keeps the group's state, the router, knows it before
+  the first operation raises it). ``trouble_hooks`` are called when the group fails, a peer is lost, or the mesh
   closes: waiters that sleep on something else than a socket (shared memory) must be woken to
   look at the news. ``before_sleep`` is called when a thread begins a wait: the mesh hands the
   connections that waiting threads have read back to its progress thread then (progress.py).
@@ -78,8 +80,19 @@ class Health:
         #: Called (no arguments) when the group fails, a peer's connection is lost, or the mesh
         #: closes: see the module's docstring.
         self.trouble_hooks: List[Callable[[], None]] = []
+        #: Called with the group's error when it fails (abort, or an ABORT from a peer), before
+        #: ``error`` is set: see the module's docstring.
+        self.failure_hooks: List[Callable[[DistBackendError], None]] = []
         #: Called (no arguments) when a thread begins a wait (see begin_wait).
         self.before_sleep: Callable[[], None] = lambda: None
+
+    def on_failure(self, hook: Callable[[DistBackendError], None]) -> None:
+        """Call ``hook`` with the group's error when it fails, or now if it has already: a peer
+        may abort the group before this rank has finished setting it up."""
+        with self.matching.lock:
+            self.failure_hooks.append(hook)
+            if self.error is not None:
+                hook(self.error)
 
     # -- waits and heartbeats --------------------------------------------------------------------
 
@@ -154,8 +167,7 @@ class Health:
         error = DistBackendError(
             f"{self.label}: rank {self.rank} timed out after {format_duration(deadline.seconds)} waiting for "
             f"{wait.what} from {who}. {self.diagnose(wait)} The group is aborted; destroy it and init again")
-        self.abort(error)
-        wait.fail(error)
+        wait.fail(self.abort(error))
 
     def wait_timed_out(self, wait, deadline: Deadline) -> DistBackendError:
         """The error of a registered wait whose deadline passed (give_up); the group is
@@ -185,8 +197,7 @@ class Health:
         error = DistBackendError(
             f"{self.label}: rank {self.rank} timed out after {format_duration(deadline.seconds)} {doing} "
             f"with {conn.name()}")
-        self.abort(error)
-        return error
+        return self.abort(error)
 
     # -- failure ---------------------------------------------------------------------------------
 
@@ -196,8 +207,7 @@ class Health:
         if self.error is not None:
             raise self.error
         if conn.failed is not None:
-            self.abort(conn.failed)  # an operation needs a peer that is gone: it fails for all
-            raise conn.failed
+            raise self.abort(conn.failed)  # an operation needs a peer that is gone: it fails for all
 
     def check_peer(self, peer: int) -> None:
         """check, for rank ``peer`` (no connection yet: only the group's error)."""
@@ -236,12 +246,15 @@ class Health:
         if getattr(error, "connection_lost", False) and self.error is not None \
                 and not getattr(self.error, "connection_lost", False):
             return self.error
-        self.abort(error)  # this operation failed: tell the other ranks
-        return error
+        return self.abort(error)  # this operation failed: tell the other ranks
 
-    def abort(self, error: DistBackendError) -> None:
-        """Tell every peer why, then fail every pending and later operation with ``error``."""
+    def abort(self, error: DistBackendError) -> DistBackendError:
+        """Tell every peer why, then fail every pending and later operation with ``error``.
+        Returns the group's error, which is ``error`` unless the group had failed already
+        (another rank's report can come first): what the caller raises, so that what a rank
+        raises is what every later operation names (Router.refusal)."""
         self.fail_everything(error, str(error), self.rank)
+        return self.error or error
 
     def aborted_by(self, origin: int, message: str) -> None:
         """Rank ``origin`` found the group failed, and said why (an ABORT frame)."""
@@ -258,6 +271,8 @@ class Health:
         with self.matching.lock:
             if self.error is not None:
                 return
+            for hook in self.failure_hooks:  # before ``error``: whoever sees it finds the hooks' state set
+                hook(error)
             self.error = error
             slots = self.matching.drain_all()
         log.error("%s: aborting: %s", self.label, error)

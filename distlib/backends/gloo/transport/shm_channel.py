@@ -322,8 +322,7 @@ class SmallChannel:
                 f"{health.label}: mismatched collective: rank {j} went on past operation #{_seq_of(stamp)} without "
                 f"taking part in this rank's {describe(word, count)}: the ranks called different collectives "
                 f"(or the same ones in a different order), or passed arrays of different sizes")
-            health.abort(error)
-            raise error
+            raise health.abort(error)
         health.check_peer(j)
 
     def _mismatch(self, j: int, their_word: int, their_count: int, word: int, count: int) -> None:
@@ -332,8 +331,7 @@ class SmallChannel:
         ranks agree (frames.agree) exactly when both are equal)."""
         error = DistBackendError(f"{self.health.label}: " + frames.disagreement(
             f"rank {j}", _operation(their_word, their_count), _operation(word, count), verb="is in"))
-        self.health.abort(error)
-        raise error
+        raise self.health.abort(error)
 
     def wake_everyone(self) -> None:
         """Wake every sleeper on every stamp (the group failed or a peer is gone)."""

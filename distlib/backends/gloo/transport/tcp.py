@@ -170,8 +170,7 @@ class Mesh:
 
     def _send_failed(self, conn: PeerConnection, what: str, exc: Optional[OSError]) -> DistBackendError:
         error = self.health.peer_lost(conn, f"sending {what}", exc)
-        self.health.abort(error)
-        return error
+        return self.health.abort(error)
 
     # -- receiving -------------------------------------------------------------------------------
 
@@ -182,9 +181,7 @@ class Mesh:
             raise self.health.error  # the cause, not the frames its abort left unread
         stale = self.matching.begin(seq, op, dtype, redop, count)
         if stale:
-            error = DistBackendError(f"{self.label}: {stale}")
-            self.health.abort(error)
-            raise error
+            raise self.health.abort(DistBackendError(f"{self.label}: {stale}"))
 
     def _name_of(self, peer: int) -> str:
         conn = self.conns[peer]
@@ -418,9 +415,7 @@ class Mesh:
         """A frame does not fit the receive it matched: fail that receive (already taken out
         of the table) and abort the mesh, so every rank learns why. The frame's payload stays
         unread: the connection is not used again."""
-        error = DistBackendError(f"{self.label}: {problem}")
-        slot.fail(error)
-        self.health.abort(error)
+        slot.fail(self.health.abort(DistBackendError(f"{self.label}: {problem}")))
 
     # -- failure and teardown --------------------------------------------------------------------
 
