@@ -30,6 +30,7 @@ from typing import Any, ClassVar, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import DistBackendError
 from ..reduce_op import ReduceOp
 from ..work import Work
 
@@ -68,6 +69,14 @@ class Placement:
             return int(value) if value.isdigit() else None
 
         return cls(number("GROUP_RANK"), number("LOCAL_WORLD_SIZE"), env.get("LOCAL_RANK", "").strip())
+
+
+def refused_after_failure(label: str, rank: int, first: BaseException) -> DistBackendError:
+    """The error of every operation on a group that failed earlier (a mismatch, a timeout, an
+    abort): a group stays failed until it is destroyed, and each refusal names the first failure."""
+    return DistBackendError(
+        f"{label}: rank {rank}: this process group was aborted by an earlier failure, and every operation on it "
+        f"fails until it is destroyed (destroy_process_group(group), then a new group): {first}")
 
 
 class RecvHandle(abc.ABC):

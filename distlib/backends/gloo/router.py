@@ -39,6 +39,7 @@ from ...arrays import DTYPE_CODES as _DTYPES
 from ...deadline import Deadline
 from ...errors import DistBackendError
 from ...reduce_op import ReduceOp, kernel, prepare_input
+from ..base import refused_after_failure
 from . import sizes
 from .algorithms import gather as gather_algos
 from .algorithms import p2p, shm_small
@@ -109,10 +110,7 @@ class Router:
         group stays failed until it is destroyed: ranks that both saw the failure could still
         meet in the small channel, whose exchange needs no frame, and succeed there while
         another rank raises."""
-        return DistBackendError(
-            f"{self.label}: rank {self.rank}: this process group was aborted by an earlier failure, and every "
-            f"operation on it fails until it is destroyed (destroy_process_group(group), then a new group): "
-            f"{self.failure}")
+        return refused_after_failure(self.label, self.rank, self.failure)
 
     def use_channel(self, channel: Optional[SmallChannel]) -> None:
         """Collectives whose part per rank fits ``channel``'s slot go through it from now on."""

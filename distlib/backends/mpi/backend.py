@@ -17,7 +17,12 @@ runs on a second duplicate, with point-to-point messages that rank 0 can stop wa
 
 Every blocking call has the group's timeout (watchdog.py: past it the job is aborted
 with a message saying what was waited for, since an MPI call cannot be cancelled). An error
-MPI reports is raised as DistBackendError naming the operation and MPI's error text.
+MPI reports is raised as DistBackendError naming the operation and MPI's error text; in a
+collective, the group stays failed on that rank: every later operation on it is refused at
+once, naming that error, until it is destroyed. MPI reports a mismatch (MPI_ERR_TRUNCATE) only on the ranks that
+receive more than they posted, and cannot tell the others; a rank that then waits for a rank
+that refuses the group is ended by its watchdog, whose message says so, and why (each rank
+answers the watchdog's question with the groups it refuses).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from ...deadline import Deadline, format_duration
 from ...errors import DistBackendError
 from ...reduce_op import ReduceOp, finish, prepare_input
 from .. import cuda_staging
-from ..base import CommBackend, RecvHandle
+from ..base import CommBackend, RecvHandle, refused_after_failure
 from ..monitored_barrier import not_passed, told_failed
 from . import runtime as mpi_runtime
 from .ops import OpTable
@@ -135,6 +140,8 @@ class MPIBackend(CommBackend):
         self.control = None
         self._monitor_seq = 0
         self._closed = False
+        #: The group's first failure (an error MPI reported): every later operation is refused
+        self.failure: Optional[BaseException] = None
         try:
             self._establish()
         except BaseException:
@@ -187,14 +194,32 @@ class MPIBackend(CommBackend):
         try:
             return fn(*args)
         except self.MPI.Exception as exc:
-            raise DistBackendError(f"{self.label}: rank {self.rank}: {describe(op, detail)} failed in MPI: "
-                                   f"{exc.Get_error_string()}") from None
+            error = DistBackendError(f"{self.label}: rank {self.rank}: {describe(op, detail)} failed in MPI: "
+                                     f"{exc.Get_error_string()}")
+            if self.control is not None and op not in ("send", "recv"):
+                # a collective of the group failed (not its making, nor a message of another size,
+                # which leaves MPI's matching of the group's collectives as it was)
+                self._failed(error)
+            raise error from None
         finally:
             WATCHDOG.end(token)
 
+    def _failed(self, error: BaseException) -> None:
+        """The group fails (once): every later operation is refused, and the watchdog tells any
+        rank that asks (mpi/watchdog.py)."""
+        if self.failure is None:
+            self.failure = error
+            WATCHDOG.group_failed(self.label, str(error))
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise refused_after_failure(self.label, self.rank, self.failure)
+
     def _begin(self, *arrays) -> None:
         """Count the collective (ranks count alike: a timeout error compares their numbers);
-        refuse arrays MPI cannot take from here."""
+        refuse arrays MPI cannot take from here, and every operation of a group that failed."""
+        if self.failure is not None:
+            raise refused_after_failure(self.label, self.rank, self.failure)
         self._numpy(*arrays)
         self.seq += 1
 
@@ -374,6 +399,7 @@ class MPIBackend(CommBackend):
                              f"0..{self.tag_ub}")
 
     def post_send(self, array: np.ndarray, dst: int, tag: int) -> RecvHandle:
+        self._check_usable()
         self._numpy(array)
         self._check_tag(tag)
         request = self.comm.Isend(self._buf(array), dst, tag)
@@ -383,6 +409,7 @@ class MPIBackend(CommBackend):
         self.post_send(array, dst, tag).wait()
 
     def post_recv(self, array: np.ndarray, src: Optional[int], tag: int) -> RecvHandle:
+        self._check_usable()
         self._numpy(array)
         self._check_tag(tag)
         request = self.comm.Irecv(self._buf(array), self.MPI.ANY_SOURCE if src is None else src, tag)
@@ -396,6 +423,7 @@ class MPIBackend(CommBackend):
         if self._closed:
             return
         self._closed = True
+        WATCHDOG.group_gone(self.label)
         if WATCHDOG.in_flight(self):
             return
         for comm in (self.control, self.comm):

@@ -7,7 +7,8 @@ seconds. When one is overdue it asks the group's other ranks what they are doing
 (inquiry.py), says what was waited for, in which group, for how long, and who has not
 come, and aborts the job (runtime.abort), as torch's NCCL watchdog tears the process down:
 an error raised in Python could not unblock the call, and the job would hang. The same thread
-answers the other ranks' questions.
+answers the other ranks' questions: what this rank is doing, and which groups it refuses
+because they failed here (a rank waiting on such a rank is told why it never comes).
 
 Registration is two dict operations (atomic under the GIL): no lock, no thread wake-up, so it
 costs well under a microsecond next to a call that takes one.
@@ -60,6 +61,16 @@ class Watchdog:
         self._start_lock = threading.Lock()
         self._last_end = (time.monotonic(), None)  # when the last call ended, and what it was
         self.inquiry: Optional[Inquiry] = None
+        #: label -> the failure of each group this process refuses (its backend failed)
+        self.failed_groups: Dict[str, str] = {}
+
+    def group_failed(self, label: str, failure: str) -> None:
+        """Group ``label`` failed on this rank with ``failure``: say so to whoever asks."""
+        self.failed_groups[label] = failure
+
+    def group_gone(self, label: str) -> None:
+        """Group ``label`` was destroyed on this rank."""
+        self.failed_groups.pop(label, None)
 
     def begin(self, seconds: float, op: str, detail: Any, backend: Any) -> int:
         """Register a blocking call; returns the token for ``end``."""
@@ -93,7 +104,8 @@ class Watchdog:
                    for deadline, seconds, op, detail, backend, seq in list(self._active.values())]
         ended_at, last = self._last_end
         return {"host": socket.gethostname(), "in_flight": flights, "idle_for": round(now - ended_at, 1),
-                "last": None if last is None else f"{describe(last[2], last[3])}{_number(last[5])} on {last[4].label}"}
+                "last": None if last is None else f"{describe(last[2], last[3])}{_number(last[5])} on {last[4].label}",
+                "failed": dict(self.failed_groups)}
 
     def _start(self) -> None:
         with self._start_lock:
@@ -134,7 +146,11 @@ class Watchdog:
                               f"stuck in native code without releasing Python's GIL)")
                 continue
             same = [f for f in answer["in_flight"] if f["group"] == backend.label and f["seq"] == seq]
-            if same and same[0]["op"] == describe(op, detail):
+            refused = answer.get("failed", {}).get(backend.label)
+            if refused is not None:
+                others.append(f"rank {rank} (host {answer['host']}) refuses every operation of {backend.label} since "
+                              f"it failed there: {refused}")
+            elif same and same[0]["op"] == describe(op, detail):
                 waiting.append(str(rank))
             elif answer["in_flight"]:
                 where = "; ".join(f"{f['op']}{_number(f['seq'])} on {f['group']} for {f['for']}s"
