@@ -226,8 +226,8 @@ class NcclBackend(StreamOrderedBackend):
             lifecycle = self.lifecycle
             if lifecycle.closed is not None:
                 lifecycle.check_open()
-            if lifecycle.failing.is_set():
-                lifecycle.raise_if_failed()
+            if lifecycle.failing.is_set():  # the group stays failed: a new operation names the failure
+                raise lifecycle.refusal(self.rank)
             device = self._device_for(arrays, device)
             if view is None:
                 view = self._view_dtype(plan.wire, arrays)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import DistBackendError
+from ..base import refused_after_failure
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,14 @@ class Lifecycle:
     def failed(self) -> bool:
         """Whether the group's error is made."""
         return self.error is not None
+
+    def refusal(self, rank: int) -> DistBackendError:
+        """The error of a new operation on a group that is failing: it names the group's error
+        (waiting up to ``error_wait_s`` for it to be made). The group stays failed until it is
+        destroyed."""
+        self.ready.wait(self.error_wait_s)
+        return refused_after_failure(self.label, rank, self.error or DistBackendError(
+            f"{self.label}: the NCCL communicator failed"))
 
     def raise_if_failed(self) -> None:
         """Raise the group's error if it is failing (waiting up to ``error_wait_s`` for it to
