@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -44,31 +43,6 @@ class BackendKind(enum.Enum):
 
 HOST_SYNCHRONOUS = BackendKind.HOST_SYNCHRONOUS
 STREAM_ORDERED = BackendKind.STREAM_ORDERED
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where this rank runs, as its launcher said: its node (``GROUP_RANK``), the ranks per
-    node (``LOCAL_WORLD_SIZE``) and, as given, its index on the node (``LOCAL_RANK``; the nccl
-    backend reads it as a number only when it picks a device by it, and says so if it is not
-    one). None or "": not said.
-
-    Whoever creates a backend reads these (``from_environment``) and gives them to it, so that
-    no backend reads the launcher's or the rendezvous' variables itself: a backend made for
-    another placement (a test, an embedding program) is told it, not left to guess it."""
-
-    node: Optional[int] = None
-    local_world_size: Optional[int] = None
-    local_rank: str = ""
-
-    @classmethod
-    def from_environment(cls, env: Mapping[str, str]) -> "Placement":
-        """The placement a launcher (distlib-run, torchrun, Slurm through env://) puts in ``env``."""
-        def number(name: str) -> Optional[int]:
-            value = env.get(name, "").strip()
-            return int(value) if value.isdigit() else None
-
-        return cls(number("GROUP_RANK"), number("LOCAL_WORLD_SIZE"), env.get("LOCAL_RANK", "").strip())
 
 
 def refused_after_failure(label: str, rank: int, first: BaseException) -> DistBackendError:

@@ -23,9 +23,10 @@ from ... import settings
 from ...arrays import device_of, dtype_code
 from ...deadline import Deadline
 from ...errors import DistBackendError
+from ...identity import Identity
 from ...reduce_op import ReduceOp, finish, prepare_input
 from .. import cuda_staging
-from ..base import CommBackend, Placement, RecvHandle
+from ..base import CommBackend, RecvHandle
 from . import sizes
 from .algorithms import gather as gather_algos
 from .algorithms import p2p
@@ -55,7 +56,7 @@ class GlooBackend(CommBackend):
     name = "gloo"
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, label: str = "gloo",
-                 placement: Placement = Placement()):
+                 identity: Identity = Identity()):
         super().__init__(store, rank, size, timeout)
         self.timeout_s = timeout.total_seconds()
         self.label = label
@@ -64,7 +65,7 @@ class GlooBackend(CommBackend):
         self.records: list = []
         try:
             self.records, all_local, crowded = connect_group(
-                store, rank, size, self.timeout_s, label, Deadline(self.timeout_s), meshes, placement)
+                store, rank, size, self.timeout_s, label, Deadline(self.timeout_s), meshes, identity)
         except BaseException:
             close(meshes, None, large)
             raise

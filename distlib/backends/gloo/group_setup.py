@@ -23,8 +23,8 @@ from ... import auth, settings
 from ...cpus import usable_cpus
 from ...deadline import Deadline
 from ...errors import DistBackendError
+from ...identity import Identity
 from ...net import format_endpoint as net_endpoint
-from ..base import Placement
 from ..join import local_facts, publish_and_gather
 from .shared_segments import ContextFactory, agree_on_segment
 from .transport import address as addr
@@ -37,9 +37,9 @@ from .transport.tcp import Mesh
 log = logging.getLogger("distlib.backends.gloo")
 
 def connect_group(store, rank: int, size: int, timeout_s: float, label: str, deadline: Deadline,
-                  meshes: List[Mesh], placement: Placement = Placement()) -> Tuple[list, bool, bool]:
+                  meshes: List[Mesh], identity: Identity = Identity()) -> Tuple[list, bool, bool]:
     """Steps 1-3: every mesh connected, appended to ``meshes`` as it is (the caller closes
-    them if this raises); ``placement`` goes into the join record. Returns (every rank's join record, whether all ranks are on this
+    them if this raises); ``identity``'s node goes into the join record. Returns (every rank's join record, whether all ranks are on this
     host, whether this machine runs more of the group's ranks than this process has CPUs)."""
     token = auth.configured_token()
     advertised = addr.advertised_addresses(store)
@@ -49,7 +49,7 @@ def connect_group(store, rank: int, size: int, timeout_s: float, label: str, dea
             bind_to = ("::" if ":" in address else "0.0.0.0") if settings.mesh_bind_all() else address
             listeners.append(addr.listen(bind_to, settings.port_range(), backlog=max(16, size)))
             log.debug("%s: rank %d advertises %s (%s), listens on %s", label, rank, address, why, bind_to)
-        record = dict(local_facts(placement))
+        record = dict(local_facts(identity))
         if token is not None:
             record["auth"] = True  # that it requires the token, never the token
         record["addresses"] = [[address, sock.getsockname()[1]] for (address, _), sock in zip(advertised, listeners)]

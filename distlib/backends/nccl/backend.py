@@ -44,9 +44,10 @@ import numpy as np
 
 from ...deadline import Deadline
 from ...errors import DistBackendError
+from ...identity import Identity
 from ...reduce_op import ReduceOp
 from .. import cupy_env
-from ..base import Placement, RecvHandle, StreamOrderedBackend
+from ..base import RecvHandle, StreamOrderedBackend
 from ..join import local_facts, publish_and_gather
 from . import plan as P
 from .comm import Communicator
@@ -70,10 +71,10 @@ class NcclBackend(StreamOrderedBackend):
     name = "nccl"
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, label: str = "nccl", device_id=None,
-                 placement: Placement = Placement()):
+                 identity: Identity = Identity()):
         super().__init__(store, rank, size, timeout)
-        #: Where this rank runs, as the launcher said (its creator read it: no backend reads the environment)
-        self.placement = placement
+        #: Who this process is (its node, its local rank), as its creator read it: no backend reads the environment
+        self.identity = identity
         found = cupy_env.require()
         self.cupy, self.nccl, self.device_count = found.cupy, found.nccl, found.devices
         self._runtime = self.cupy.cuda.runtime
@@ -106,7 +107,7 @@ class NcclBackend(StreamOrderedBackend):
         """Join the group's ranks and make the communicator on ``device`` (collective)."""
         cupy, who = self.cupy, f"{self.label} rank {self.rank}"
         try:
-            record = dict(local_facts(self.placement))
+            record = dict(local_facts(self.identity))
             record["device"] = device
             if self.rank == 0:
                 with cupy.cuda.Device(device):
@@ -158,8 +159,7 @@ class NcclBackend(StreamOrderedBackend):
         """The device of this rank's communicator, or the one it would get (no array given)."""
         if self.device is not None:
             return self.device
-        return choose_device(None, self.bound, self.placement.local_rank, self._runtime.getDevice(),
-                             self.device_count)[0]
+        return choose_device(None, self.bound, self.identity, self._runtime.getDevice(), self.device_count)[0]
 
     def _device_for(self, arrays: Sequence, requested: Optional[int] = None) -> int:
         """The communicator's device, made now if need be; ``requested``: barrier's device_ids[0]."""
@@ -174,7 +174,7 @@ class NcclBackend(StreamOrderedBackend):
                              f"{', '.join(f'cuda:{d}' for d in devices)}")
         array_device = devices[0] if devices else None
         if self.comm is None:
-            device, why = choose_device(array_device, self.bound, self.placement.local_rank, self._runtime.getDevice(),
+            device, why = choose_device(array_device, self.bound, self.identity, self._runtime.getDevice(),
                                         self.device_count)
             self._connect(device, why)
         elif array_device is not None:

@@ -2,8 +2,8 @@
 
 In order: ``init_process_group(device_id=...)`` binds the group to a device (an array on
 another one is an error); else the device of the array of the first collective; else, for a
-call without arrays (barrier, object collectives), ``LOCAL_RANK`` (as the backend's creator
-read it: backends/base.Placement) — what a launcher sets, so
+call without arrays (barrier, object collectives), ``LOCAL_RANK`` (the process's identity,
+distlib/identity.py, as the backend's creator gives it) — what a launcher sets, so
 eight ranks on an eight-GPU node spread over the GPUs instead of all landing on GPU 0 —
 modulo the number of visible devices (torch's fallback is the rank modulo that number); else
 the current cupy device. Once a communicator exists, every array must be on its device.
@@ -12,6 +12,8 @@ the current cupy device. Once a communicator exists, every array must be on its 
 from __future__ import annotations
 
 from typing import Optional, Tuple
+
+from ...identity import Identity
 
 
 def parse_device_id(device_id, device_count: Optional[int] = None) -> Optional[int]:
@@ -50,21 +52,21 @@ def parse_device_id(device_id, device_count: Optional[int] = None) -> Optional[i
     return index
 
 
-def local_rank(text: str) -> Optional[int]:
-    """``LOCAL_RANK``'s value as a number (None: not set); a ValueError naming it if it is not one."""
-    value = text.strip()
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ValueError(f"LOCAL_RANK={value!r} is not a non-negative integer (a launcher sets it to the "
-                         f"rank's index on its node)")
-    return int(value)
+def local_rank(identity: Identity) -> Optional[int]:
+    """This rank's index on its node (None: nobody said); a ValueError naming the variable if
+    what the launcher set is not a non-negative integer."""
+    if "local_rank" in identity.problems:
+        raise ValueError(f"{identity.problems['local_rank']} (a launcher sets LOCAL_RANK to the rank's index on "
+                         f"its node)")
+    value = identity.local_rank
+    if value is not None and value < 0:
+        raise ValueError(f"LOCAL_RANK={value} is negative (a launcher sets it to the rank's index on its node)")
+    return value
 
 
-def choose_device(array_device: Optional[int], bound: Optional[int], local_rank_text: str, current: int,
+def choose_device(array_device: Optional[int], bound: Optional[int], identity: Identity, current: int,
                   count: int) -> Tuple[int, str]:
-    """(device, why) for a new communicator, by the rules of the module docstring
-    (``local_rank_text``: LOCAL_RANK as the launcher set it, "" if not)."""
+    """(device, why) for a new communicator, by the rules of the module docstring."""
     if bound is not None:
         if array_device is not None and array_device != bound:
             raise ValueError(f"the array is on cuda:{array_device}, but the process group is bound to "
@@ -72,7 +74,7 @@ def choose_device(array_device: Optional[int], bound: Optional[int], local_rank_
         return bound, f"device_id={bound}"
     if array_device is not None:
         return array_device, "the array's device"
-    rank_here = local_rank(local_rank_text)
+    rank_here = local_rank(identity)
     if rank_here is not None and count > 0:
         return rank_here % count, f"LOCAL_RANK={rank_here} of {count} visible device(s)"
     return current, "the current cupy device"
