@@ -6,9 +6,9 @@ import ast
 from pathlib import Path
 
 import distlib.backends
-from distlib.identity import Identity
 from distlib.backends.join import local_facts
 from distlib.backends.nccl.devices import choose_device
+from distlib.identity import Identity
 
 BACKENDS = Path(distlib.backends.__file__).parent
 #: What a backend may read from the environment: its own transport's settings, not who or where it is.

@@ -2,8 +2,6 @@
 
 import pytest
 
-from distlib.identity import Identity
-
 from distlib.backends.nccl.devices import (
     check_same_device,
     choose_device,
@@ -11,6 +9,7 @@ from distlib.backends.nccl.devices import (
     parse_device_id,
     shared_gpus_hint,
 )
+from distlib.identity import Identity
 
 
 class _Device:
