@@ -91,8 +91,6 @@ class Router:
         self.seq = 0
         #: The small channel: None when not every rank is on this host, or shared memory is off
         self.small: Optional[SmallChannel] = None
-        #: Bytes per rank the small channel holds (-1: no channel, nothing fits).
-        self.small_bytes = -1
         self._reductions: Dict[tuple, Reduction] = {}
         #: The group's first failure (a mismatch, a timeout, a lost peer, an abort, here or on
         #: any rank): from then on every operation is refused, naming it (``refusal``)
@@ -110,12 +108,12 @@ class Router:
         group stays failed until it is destroyed: ranks that both saw the failure could still
         meet in the small channel, whose exchange needs no frame, and succeed there while
         another rank raises."""
-        return refused_after_failure(self.label, self.rank, self.failure)
+        return refused_after_failure(self.label, self.rank, self.failure or DistBackendError(
+            f"{self.label}: the group failed"))
 
     def use_channel(self, channel: Optional[SmallChannel]) -> None:
         """Collectives whose part per rank fits ``channel``'s slot go through it from now on."""
         self.small = channel
-        self.small_bytes = channel.slot_bytes if channel is not None else -1
 
     def close(self) -> None:
         """Close the meshes, the channel and the segment (every later operation fails)."""
@@ -169,38 +167,43 @@ class Router:
     def all_reduce(self, flat: np.ndarray, op: ReduceOp) -> None:
         """``flat`` (prepared) reduced in place over the group."""
         nbytes = flat.nbytes
-        if nbytes <= self.small_bytes:
+        small = self.small
+        if small is not None and nbytes <= small.slot_bytes:
             word, combine = self.reduction(_ALL_REDUCE, op, flat.dtype)
-            shm_small.all_reduce(self.small, self.take_seq(), flat, combine, word)
-        elif self._segment_takes(flat, op):
+            shm_small.all_reduce(small, self.take_seq(), flat, combine, word)
+            return
+        segment = self._segment_for(flat, op)
+        if segment is not None:
             # its barriers go through the channel (if any): an operation of the channel, not announced
             ctx = self.context("all_reduce", flat, op, "all_reduce of {} x {}", flat.size, flat.dtype, announce=False)
-            self.large.all_reduce.run(ctx, flat, op, self.small)
-        else:
-            ctx = self.context("all_reduce", flat, op, "all_reduce of {} x {}", flat.size, flat.dtype)
-            reduce_algos.ALL_REDUCE[sizes.choose_all_reduce(nbytes, self.size, self.crowded)](ctx, flat, op)
+            segment.run(ctx, flat, op, small)
+            return
+        ctx = self.context("all_reduce", flat, op, "all_reduce of {} x {}", flat.size, flat.dtype)
+        reduce_algos.ALL_REDUCE[sizes.choose_all_reduce(nbytes, self.size, self.crowded)](ctx, flat, op)
 
-    def _segment_takes(self, flat: np.ndarray, op: ReduceOp) -> bool:
-        """Whether a large all_reduce goes through the shared segment (set up on first use,
+    def _segment_for(self, flat: np.ndarray, op: ReduceOp) -> Optional[ShmAllReduce]:
+        """The shared segment a large all_reduce goes through, or None (set up on first use,
         before the operation's own context is made: the setup is operations of its own)."""
-        large = self.large
-        if not self.all_local or flat.nbytes < sizes.segment_min_bytes(self.small_bytes) or not large.may_use():
-            return False
+        large, small = self.large, self.small
+        least = sizes.segment_min_bytes(small.slot_bytes if small is not None else -1)
+        if not self.all_local or flat.nbytes < least or not large.may_use():
+            return None
         if not large.tried:
-            if self.small is not None:  # a rank waiting in the channel sees the all_reduce, not the setup
+            if small is not None:  # a rank waiting in the channel sees the all_reduce, not the setup
                 word = shm_channel.descriptor(_ALL_REDUCE, _DTYPES.get(flat.dtype, 0), op.code, -1)
-                self.small.announce(shm_channel.stamp(self.seq), word, flat.size)
+                small.announce(shm_channel.stamp(self.seq), word, flat.size)
             segment = agree_on_segment(partial(self.context, announce=False), self.rank,
                                        ShmAllReduce.bytes_needed(self.size, sizes.SEGMENT_SLOT_BYTES),
                                        "large all_reduce", self.label)
             large.set_up(segment, self.size, sizes.SEGMENT_SLOT_BYTES)
-        return large.all_reduce is not None
+        return large.all_reduce
 
     # -- the others: the small channel or the mesh -----------------------------------------------
 
     def broadcast(self, flat: np.ndarray, root: int) -> None:
-        if flat.nbytes <= self.small_bytes:
-            shm_small.broadcast(self.small, self.take_seq(), flat, root, _word(_BROADCAST, flat, root))
+        small = self.small
+        if small is not None and flat.nbytes <= small.slot_bytes:
+            shm_small.broadcast(small, self.take_seq(), flat, root, _word(_BROADCAST, flat, root))
             return
         ctx = self.context("broadcast", flat, None, "broadcast of {} x {} from rank {}", flat.size, flat.dtype, root,
                            root=root)
@@ -212,12 +215,13 @@ class Router:
     def reduce(self, flat: np.ndarray, work: np.ndarray, root: int, op: ReduceOp) -> np.ndarray:
         """``work`` (``flat`` prepared, or ``flat`` itself) reduced to ``root``; returns the
         array the result is in at the root."""
-        if flat.nbytes <= self.small_bytes:
+        small = self.small
+        if small is not None and flat.nbytes <= small.slot_bytes:
             word, combine = self.reduction(_REDUCE, op, flat.dtype, root)
             if self.rank == root and work is not flat:
                 flat[...] = work
                 work = flat
-            shm_small.reduce(self.small, self.take_seq(), work, root, combine, word)
+            shm_small.reduce(small, self.take_seq(), work, root, combine, word)
             return work
         ctx = self.context("reduce", flat, op, "reduce of {} x {} to rank {}", flat.size, flat.dtype, root, root=root)
         if work is flat and self.rank != root:
@@ -229,8 +233,9 @@ class Router:
         return work
 
     def all_gather(self, outputs: Sequence[np.ndarray], array: np.ndarray) -> None:
-        if array.nbytes <= self.small_bytes:
-            shm_small.all_gather(self.small, self.take_seq(), [o.reshape(-1) for o in outputs], array.reshape(-1),
+        small = self.small
+        if small is not None and array.nbytes <= small.slot_bytes:
+            shm_small.all_gather(small, self.take_seq(), [o.reshape(-1) for o in outputs], array.reshape(-1),
                                  _word(_ALL_GATHER, array))
             return
         ctx = self.context("all_gather", array, None, "all_gather of {} x {}", array.size, array.dtype)
@@ -240,9 +245,10 @@ class Router:
             gather_algos.all_gather(ctx, outputs, array)
 
     def gather(self, outputs: Optional[Sequence[np.ndarray]], array: np.ndarray, root: int) -> None:
-        if array.nbytes <= self.small_bytes:
+        small = self.small
+        if small is not None and array.nbytes <= small.slot_bytes:
             flat_outputs = [o.reshape(-1) for o in outputs] if outputs is not None else None
-            shm_small.gather(self.small, self.take_seq(), flat_outputs, array.reshape(-1), root,
+            shm_small.gather(small, self.take_seq(), flat_outputs, array.reshape(-1), root,
                              _word(_GATHER, array, root))
             return
         ctx = self.context("gather", array, None, "gather of {} x {} to rank {}", array.size, array.dtype, root,
@@ -250,9 +256,10 @@ class Router:
         gather_algos.gather(ctx, outputs, array, root)
 
     def scatter(self, output: np.ndarray, inputs: Optional[Sequence[np.ndarray]], root: int) -> None:
-        if output.nbytes * self.size <= self.small_bytes:
+        small = self.small
+        if small is not None and output.nbytes * self.size <= small.slot_bytes:
             pieces = [i.reshape(-1) for i in inputs] if inputs is not None else None
-            shm_small.scatter(self.small, self.take_seq(), output.reshape(-1), pieces, root,
+            shm_small.scatter(small, self.take_seq(), output.reshape(-1), pieces, root,
                               _word(_SCATTER, output, root))
             return
         ctx = self.context("scatter", output, None, "scatter of {} x {} from rank {}", output.size, output.dtype,
@@ -261,9 +268,10 @@ class Router:
 
     def reduce_scatter(self, output: np.ndarray, parts: List[np.ndarray], op: ReduceOp) -> None:
         """``parts[k]`` (prepared): this rank's contribution to rank k's ``output``."""
-        if output.nbytes * self.size <= self.small_bytes:
+        small = self.small
+        if small is not None and output.nbytes * self.size <= small.slot_bytes:
             word, combine = self.reduction(_REDUCE_SCATTER, op, output.dtype)
-            shm_small.reduce_scatter(self.small, self.take_seq(), parts, output.reshape(-1), combine, word)
+            shm_small.reduce_scatter(small, self.take_seq(), parts, output.reshape(-1), combine, word)
             return
         ctx = self.context("reduce_scatter", output, op, "reduce_scatter of {} x {}", output.size, output.dtype)
         reduce_algos.direct_reduce_scatter(ctx, parts, output, op)
@@ -271,7 +279,8 @@ class Router:
     def reduce_scatter_into(self, output: np.ndarray, flat: np.ndarray, op: ReduceOp) -> None:
         """``flat`` (not prepared) holds every rank's part in order."""
         m = output.size
-        if output.nbytes * self.size <= self.small_bytes:
+        small = self.small
+        if small is not None and output.nbytes * self.size <= small.slot_bytes:
             self.reduce_scatter(output, self._parts(flat, m, op), op)
             return
         ctx = self.context("reduce_scatter", output, op, "reduce_scatter of {} x {}", output.size, output.dtype)
@@ -292,8 +301,9 @@ class Router:
         gather_algos.all_to_all(ctx, outputs, inputs)
 
     def barrier(self) -> None:
-        if self.small is not None:
-            shm_small.barrier(self.small, self.take_seq(), _BARRIER_WORD)
+        small = self.small
+        if small is not None:
+            shm_small.barrier(small, self.take_seq(), _BARRIER_WORD)
             return
         gather_algos.barrier(self.context("barrier", None, None, "barrier"))
 

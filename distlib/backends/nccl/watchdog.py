@@ -333,7 +333,7 @@ class Watchdog:
         with it."""
         lifecycle = self.lifecycle
         with self._once:
-            if self._handled:
+            if self._handled and lifecycle.error is not None:
                 return lifecycle.error
             with self.lock:
                 lifecycle.halt()  # an aborted kernel completes its event too: no more successes

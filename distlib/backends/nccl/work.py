@@ -102,8 +102,9 @@ class NcclWork:
         return self._error
 
     def _raise_failure(self) -> None:
-        if self._state == FAILED:
-            raise self._error
+        error = self._error
+        if error is not None:  # settled as failed
+            raise error
         if self._state == PENDING:
             self._lifecycle.raise_if_failed()
 
