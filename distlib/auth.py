@@ -26,7 +26,7 @@ With no token set, nothing here runs and the store's wire is byte for byte torch
 
 The pure functions build and check messages; ``connect_blocking`` runs a peer's side of the
 exchange on a blocking socket with a deadline (a rank connecting to a peer's mesh listener); the
-listeners (the store server, a rank's mesh listener: transport/accept.py) drive the same
+listeners (the store server, a rank's mesh listener: backends/gloo/transport/accept.py) drive the same
 functions from their event loops, many connections at once.
 """
 

@@ -26,7 +26,7 @@ from .distributed import _resolve, warn_not_in_group
 from .errors import DistBackendError
 from .group import ProcessGroup
 from .reduce_op import ReduceOp, as_reduce_op, check_op_for_dtype
-from .work import Future, Work
+from .work import Future, HostWork, Work
 
 
 def _run(pg: ProcessGroup, backend: BackendBase, op_name: str, async_op: bool, result: Optional[List[Any]],
@@ -44,7 +44,7 @@ def _run(pg: ProcessGroup, backend: BackendBase, op_name: str, async_op: bool, r
         work.wait()
         return None
     if async_op:
-        work = Work(op_name, result)
+        work = HostWork(op_name, result)
         return pg.executor.submit(work, lambda: fn(*args) or result)
     pg.executor.run(op_name, fn, *args)
     return None
@@ -348,7 +348,7 @@ def isend(tensor, dst: Optional[int] = None, group=None, tag: int = 0, group_dst
     return _run(pg, backend, "send", True, [array], backend.send, array, peer, tag)
 
 
-class _RecvWork(Work):
+class _RecvWork(HostWork):
     """An irecv (or a backend's posted send): started when issued, complete when the data has
     arrived (left)."""
 
@@ -362,9 +362,9 @@ class _RecvWork(Work):
             try:
                 group_rank = self._handle.wait()
                 self.source = self._pg.global_rank_of(group_rank)
-                self._finish()
+                self.finish()
             except BaseException as exc:  # noqa: BLE001 - kept on the Work
-                self._finish(exc)
+                self.finish(exc)
         return super().wait(timeout)
 
     def is_completed(self) -> bool:

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 from .backends import cupy_env
 from .backends.base import BackendBase
-from .backends.nccl_devices import parse_device_id
+from .backends.nccl.devices import parse_device_id
 from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
 from .errors import DistBackendError
@@ -51,7 +51,7 @@ def is_nccl_available() -> bool:
 
 def is_mpi_available() -> bool:
     """Whether mpi4py imports and loads an MPI library (it does not initialise MPI)."""
-    from .backends import mpi_runtime
+    from .backends.mpi import runtime as mpi_runtime
 
     return mpi_runtime.available()
 
@@ -112,19 +112,23 @@ def _config_for(backend: Optional[str]) -> Dict[str, str]:
 
 
 def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, label: str,
-                    group_name: str, global_ranks: List[int], pg_options, device_id=None) -> BackendBase:
+                    group_name: str, global_ranks: List[int], pg_options, device_id=None,
+                    identity: Identity = Identity()) -> BackendBase:
+    """The backend ``name`` of one group; gloo and nccl get this process's ``identity`` (its node
+    and local rank): no backend reads the launcher's variables itself."""
     if name == Backend.GLOO:
-        from .backends.gloo import GlooBackend
+        from .backends.gloo.backend import GlooBackend
 
-        return GlooBackend(_needs_store(store, name), rank, size, timeout, label=label)
+        return GlooBackend(_needs_store(store, name), rank, size, timeout, label=label, identity=identity)
     if name == Backend.MPI:
-        from .backends.mpi import MPIBackend
+        from .backends.mpi.backend import MPIBackend
 
         return MPIBackend(rank, size, timeout, global_ranks, label=label)
     if name == Backend.NCCL:
-        from .backends.nccl import NcclBackend
+        from .backends.nccl.backend import NcclBackend
 
-        return NcclBackend(_needs_store(store, name), rank, size, timeout, label=label, device_id=device_id)
+        return NcclBackend(_needs_store(store, name), rank, size, timeout, label=label, device_id=device_id,
+                           identity=identity)
     plugin = Backend._plugins.get(name.upper())
     if plugin is not None:
         if plugin.extended_api:
@@ -163,7 +167,8 @@ def _only_mpi(config: Dict[str, str]) -> bool:
 
 
 def _new_process_group(name: str, global_ranks: List[int], group_rank: int, store, config: Dict[str, str],
-                       timeout: timedelta, pg_options, device_id: Optional[int] = None) -> ProcessGroup:
+                       timeout: timedelta, pg_options, device_id: Optional[int] = None,
+                       identity: Identity = Identity()) -> ProcessGroup:
     """Create the backends of one group (the group's store is ``store/<name>/``)."""
     group_store = _prefixed(name + "/", store)
     size = len(global_ranks)
@@ -174,14 +179,15 @@ def _new_process_group(name: str, global_ranks: List[int], group_rank: int, stor
         if len(names) == 1:
             device, backend_name = next(iter(config.items()))
             backend = _create_backend(backend_name, _prefixed(device + "/", group_store), group_rank, size,
-                                      timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options, device_id)
+                                      timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options, device_id,
+                                      identity)
             created.append(backend)
             backends = {d: backend for d in config}
         else:
             for device, backend_name in config.items():
                 backend = _create_backend(backend_name, _prefixed(device + "/", group_store), group_rank, size,
                                           timeout, f"pg{name}/{backend_name}", name, global_ranks, pg_options,
-                                          device_id)
+                                          device_id, identity)
                 created.append(backend)
                 backends[device] = backend
     except BaseException:
@@ -263,7 +269,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         from .debug import configure as configure_logging
 
         if _only_mpi(config):  # as torch: no rendezvous, no store; MPI says who is who
-            from .backends import mpi_runtime
+            from .backends.mpi import runtime as mpi_runtime
 
             rank, world_size = mpi_runtime.world_rank_and_size(rank, world_size)
         # the log prefix's rank: the identity's (RANK, or srun's task rank) until env:// has said
@@ -283,7 +289,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             owns_store = False
         try:
             pg = _new_process_group(name, list(range(world_size)), rank, store, config, timeout, pg_options,
-                                    device_id)
+                                    device_id, identity)
         except BaseException:
             if owns_store:
                 close_quietly(store)
@@ -396,7 +402,7 @@ def new_group(ranks: Optional[List[int]] = None, timeout: Optional[timedelta] = 
         timeout = timeout if timeout is not None else default.timeout
         device_id = parse_device_id(device_id) if device_id is not None else default.bound_device_id
         pg = _new_process_group(name, ranks, ranks.index(me), world.default_store, config, timeout, pg_options,
-                                device_id)
+                                device_id, world.identity or Identity())
         world.groups[name] = pg
         return pg
 

@@ -1,6 +1,6 @@
 """Socket helpers that the store (client and server) and the collectives' mesh share.
 
-Why a module of its own: the TCP store and the mesh in ``distlib/transport`` both bind,
+Why a module of its own: the TCP store and gloo's mesh (``distlib/backends/gloo/transport``) both bind,
 connect, tune and name sockets, and the transport must not import the store. Everything
 here is a plain function of its arguments and the kernel: no state, no threads, no settings.
 

@@ -1,5 +1,10 @@
 """``Work`` (what an async collective returns), its ``Future``, and the per-group executor.
 
+``Work`` is a Protocol (torch's Work's methods) with two implementations: ``HostWork`` here,
+an operation that runs on the host in the group's order (settled by the executor, or by the
+wait of an irecv), and the nccl backend's ``NcclWork`` (backends/nccl/work.py), an operation
+enqueued on a device stream and settled by the backend's watchdog.
+
 Operations on one group run in the order they were issued, sync and async alike. A sync call
 on an idle group runs inline in the caller's thread, with no Work, no queue and no lock wait
 (a thread hand-off costs ~100 µs on these VMs, more than a small collective through shared
@@ -12,7 +17,7 @@ from __future__ import annotations
 import collections
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Protocol, runtime_checkable
 
 from .deadline import format_duration
 from .errors import DistBackendError
@@ -81,15 +86,42 @@ class Future:
         return chained
 
 
-class Work:
-    """The handle of an async operation (torch.distributed.Work)."""
+@runtime_checkable
+class Work(Protocol):
+    """The handle of an async operation (torch.distributed.Work): what every implementation
+    offers, and what callers may use."""
+
+    op_name: str
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Until the operation finished (host) or is ordered before the caller's stream
+        (device); raise its error if it failed."""
+
+    def synchronize(self) -> None:
+        """Block the host until the operation finished; raise its error if it failed."""
+
+    def is_completed(self) -> bool: ...
+
+    def is_success(self) -> bool: ...
+
+    def exception(self) -> Optional[BaseException]: ...
+
+    def result(self) -> List[Any]: ...
+
+    def get_future(self) -> Future: ...
+
+
+class HostWork:
+    """A Work settled on the host (``finish``): by the group's executor when the operation has
+    run, or by the waiting of an irecv."""
 
     def __init__(self, op_name: str, result: Optional[List[Any]] = None):
         self.op_name = op_name
         self._result = result if result is not None else []
         self._future = Future()
 
-    def _finish(self, error: Optional[BaseException] = None, result: Optional[List[Any]] = None) -> None:
+    def finish(self, error: Optional[BaseException] = None, result: Optional[List[Any]] = None) -> None:
+        """The operation is over: with ``error``, or its ``result`` (or the one given at first)."""
         if result is not None:
             self._result = result
         if error is None:
@@ -120,6 +152,10 @@ class Work:
         if self._future._error is not None:
             raise self._future._error
         return True
+
+    def synchronize(self) -> None:
+        """The same as wait(): a host operation has no stream to order."""
+        self.wait()
 
     def result(self) -> List[Any]:
         self.wait()
@@ -152,7 +188,7 @@ class OrderedExecutor:
         self._thread: Optional[threading.Thread] = None
         self._closed = False
 
-    def submit(self, work: Work, fn: Callable[[], Optional[List[Any]]]) -> Work:
+    def submit(self, work: HostWork, fn: Callable[[], Optional[List[Any]]]) -> HostWork:
         """Queue ``fn`` (returns the result list, or None) to run after everything before it."""
         with self._cond:
             if self._closed:
@@ -178,7 +214,7 @@ class OrderedExecutor:
         if self._closed:
             raise DistBackendError(f"{self.name}: the process group was destroyed")
         box: List[Any] = []
-        work = Work(op_name)
+        work = HostWork(op_name)
         self.submit(work, lambda: box.append(fn(*args)))
         work.wait()
         return box[0] if box else None
@@ -201,9 +237,9 @@ class OrderedExecutor:
             with self._cond:
                 self._queued -= 1  # before the Work completes: a sync call after wait() runs inline
             if error is None:
-                work._finish(None, result if isinstance(result, list) else None)
+                work.finish(None, result if isinstance(result, list) else None)
             else:
-                work._finish(error)
+                work.finish(error)
 
     def close(self, error: BaseException) -> None:
         """Fail everything queued with ``error`` and stop the thread."""
@@ -214,4 +250,4 @@ class OrderedExecutor:
             self._queued -= len(pending)
             self._cond.notify_all()
         for work, _ in pending:
-            work._finish(error)
+            work.finish(error)

@@ -1,4 +1,4 @@
-"""distlib/transport/accept.py: a mesh listener's side of the handshake (the token's
+"""distlib/backends/gloo/transport/accept.py: a mesh listener's side of the handshake (the token's
 challenge-response, then HELLO), against a real peer on a real TCP connection."""
 
 import socket
@@ -8,8 +8,8 @@ import pytest
 
 from distlib import auth
 from distlib.deadline import Deadline
-from distlib.transport import frames
-from distlib.transport.accept import Handshakes
+from distlib.backends.gloo.transport import frames
+from distlib.backends.gloo.transport.accept import Handshakes
 
 TOKEN = b"k" * 16
 OTHER = b"j" * 16

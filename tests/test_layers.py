@@ -23,10 +23,10 @@ LAYERS: Dict[str, int] = {
     "distlib.object_collectives": 5, "distlib.debug": 5,
     # 4: process groups
     "distlib.group": 4,
-    # 3: backends, their algorithms, rendezvous
-    "distlib.backends": 3, "distlib.algorithms": 3, "distlib.rendezvous": 3,
-    # 2: transports and stores
-    "distlib.transport": 2, "distlib.store": 2,
+    # 3: backends (gloo's algorithms among them), rendezvous
+    "distlib.backends": 3, "distlib.backends.gloo.algorithms": 3, "distlib.rendezvous": 3,
+    # 2: gloo's transport (its mesh and its shared memory) and the stores
+    "distlib.backends.gloo.transport": 2, "distlib.store": 2,
     # 1: shared types (Work, ReduceOp, array helpers)
     "distlib.work": 1, "distlib.reduce_op": 1, "distlib.arrays": 1,
     # 0: foundation
@@ -67,7 +67,9 @@ def test_no_import_points_to_a_layer_above():
     assert upward_imports(import_graph()) == []
 
 
-#: Inside transport/, the mesh's parts (docs/architecture.md, "The mesh"): the layer of each
+#: gloo's transport: its modules' common prefix.
+MESH = "distlib.backends.gloo.transport."
+#: Inside gloo's transport/, the mesh's parts (docs/architecture.md, "The mesh"): the layer of each
 #: within the transport; a module imports only transport modules of a lower one. The health of
 #: the group sits below both the mesh and the shared-memory channel, which are given it.
 TRANSPORT: Dict[str, int] = {
@@ -85,22 +87,21 @@ SOCKETS = {"socket", "select", "selectors", "ssl"}
 def transport_crossings(graph) -> list:
     """Imports between transport modules that do not point to a lower part."""
     def part(module: str) -> str:
-        return module[len("distlib.transport."):]
+        return module[len(MESH):]
 
-    return sorted(f"{m} imports {t}" for m, targets in graph.items() if m.startswith("distlib.transport.")
-                  for t in targets if t.startswith("distlib.transport.")
+    return sorted(f"{m} imports {t}" for m, targets in graph.items() if m.startswith(MESH)
+                  for t in targets if t.startswith(MESH)
                   and TRANSPORT[part(t)] >= TRANSPORT[part(m)])
 
 
 def test_the_check_sees_an_import_that_crosses_the_mesh_parts():
-    assert transport_crossings({"distlib.transport.matching": {"distlib.transport.connection"},
-                                "distlib.transport.health": {"distlib.transport.matching"}}) == [
-        "distlib.transport.matching imports distlib.transport.connection"]
+    assert transport_crossings({MESH + "matching": {MESH + "connection"}, MESH + "health": {MESH + "matching"}}) == [
+        f"{MESH}matching imports {MESH}connection"]
 
 
 def test_every_transport_module_is_placed_among_the_mesh_parts():
-    modules = [m for m in import_graph() if m.startswith("distlib.transport.")]
-    assert [m for m in modules if m[len("distlib.transport."):] not in TRANSPORT] == [], \
+    modules = [m for m in import_graph() if m.startswith(MESH)]
+    assert [m for m in modules if m[len(MESH):] not in TRANSPORT] == [], \
         "place the new module in TRANSPORT and in docs/architecture.md"
 
 
@@ -112,7 +113,7 @@ def test_the_matching_has_no_sockets():
     import ast
     from pathlib import Path
 
-    import distlib.transport.matching as matching
+    import distlib.backends.gloo.transport.matching as matching
 
     tree = ast.parse(Path(matching.__file__).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)

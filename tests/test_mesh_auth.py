@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 
-from distlib.transport.address import default_route_address
+from distlib.backends.gloo.transport.address import default_route_address
 from tests.backends.procs import Proc
 from tests.collectives.harness import WorkerPool
 from tests.fixtures.ports import free_port
@@ -91,7 +91,7 @@ class _Unpickled:
 def _impostor(port, ready, marker, connections):
     """Connect to a rank's mesh listener without the token, as rank 1, and send a HELLO and an
     object-collective frame at once; return what the listener sent back on each connection."""
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     hello = frames.pack(frames.HELLO, 0, 0, 0, 0, 0, 0, frames.HELLO_PAYLOAD.size) + frames.HELLO_PAYLOAD.pack(1, 0)
     payload = pickle.dumps(_Unpickled(marker))

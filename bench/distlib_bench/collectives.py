@@ -208,7 +208,7 @@ def preload_distlib() -> None:
     import numpy  # noqa: F401
 
     from distlib import collectives, distributed  # noqa: F401
-    from distlib.backends import gloo  # noqa: F401
+    from distlib.backends.gloo import backend as gloo  # noqa: F401
 
 
 def _implementations(args: argparse.Namespace) -> Tuple[List[str], Dict[str, str], Dict[str, str]]:

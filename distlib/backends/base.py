@@ -29,6 +29,7 @@ from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import DistBackendError
 from ..reduce_op import ReduceOp
 from ..work import Work
 
@@ -42,6 +43,14 @@ class BackendKind(enum.Enum):
 
 HOST_SYNCHRONOUS = BackendKind.HOST_SYNCHRONOUS
 STREAM_ORDERED = BackendKind.STREAM_ORDERED
+
+
+def refused_after_failure(label: str, rank: int, first: BaseException) -> DistBackendError:
+    """The error of every operation on a group that failed earlier (a mismatch, a timeout, an
+    abort): a group stays failed until it is destroyed, and each refusal names the first failure."""
+    return DistBackendError(
+        f"{label}: rank {rank}: this process group was aborted by an earlier failure, and every operation on it "
+        f"fails until it is destroyed (destroy_process_group(group), then a new group): {first}")
 
 
 class RecvHandle(abc.ABC):

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 
 from ..deadline import Deadline, format_duration
 from ..errors import DistNetworkError, DistStoreError
+from ..identity import Identity
 
 log = logging.getLogger("distlib.join")
 
@@ -42,13 +43,15 @@ _PROCESS_TAG = secrets.token_hex(8)
 _DUPLICATES = "join/duplicates"
 
 
-def local_facts() -> Dict[str, object]:
-    """What a rank says about itself (helps name the missing ones and a duplicate claimant)."""
+def local_facts(identity: Identity = Identity()) -> Dict[str, object]:
+    """What a rank says about itself (helps name the missing ones and a duplicate claimant):
+    its host and process, and its node and the ranks per node where its identity says them
+    (given by the backend's creator: a backend reads no launcher variable)."""
     facts: Dict[str, object] = {"hostname": socket.gethostname(), "pid": os.getpid(), "process": _PROCESS_TAG}
-    for key, env in (("node", "GROUP_RANK"), ("local_world_size", "LOCAL_WORLD_SIZE")):
-        value = os.environ.get(env, "")
-        if value.isdigit():
-            facts[key] = int(value)
+    if identity.node_rank is not None:
+        facts["node"] = identity.node_rank
+    if identity.local_world_size is not None:
+        facts["local_world_size"] = identity.local_world_size
     return facts
 
 

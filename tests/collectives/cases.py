@@ -107,6 +107,46 @@ def all_reduce_matrix(rank, ws, op_name, dtypes, sizes):
     return out
 
 
+def all_reduce_matrix_traced(rank, ws, op_name, dtypes, sizes):
+    """all_reduce_matrix, and the way each all_reduce went: [(dtype, size, ok, digest, path)],
+    path being the mesh algorithm's name (algorithms/reduce.py's ALL_REDUCE), "small" (the
+    small shared-memory channel), "segment" (the large shared segment) or "" (none: one rank).
+    Each way is traced by wrapping the function the router calls for it."""
+    from distlib.backends.gloo.algorithms import reduce as reduce_algos
+    from distlib.backends.gloo.algorithms import shm_small
+    from distlib.backends.gloo.algorithms.shm_allreduce import ShmAllReduce
+
+    taken = []
+
+    def traced(path, fn):
+        def run(*args, **kwargs):
+            taken.append(path)
+            return fn(*args, **kwargs)
+        return run
+
+    table, small, segment = dict(reduce_algos.ALL_REDUCE), shm_small.all_reduce, ShmAllReduce.run
+    reduce_algos.ALL_REDUCE.update({name: traced(name, fn) for name, fn in table.items()})
+    shm_small.all_reduce = traced("small", small)
+    ShmAllReduce.run = traced("segment", segment)
+    out = []
+    try:
+        for dtype in dtypes:
+            if not valid(op_name, dtype):
+                continue
+            for n in sizes:
+                inputs = [make_input(r, dtype, n, op_name) for r in range(ws)]
+                array = inputs[rank].copy()
+                before = len(taken)
+                dist.all_reduce(array, op=as_op(op_name))
+                path = "+".join(taken[before:])
+                out.append((dtype, n, close(array, reference(op_name, inputs)), digest(array), path))
+    finally:
+        reduce_algos.ALL_REDUCE.update(table)
+        shm_small.all_reduce = small
+        ShmAllReduce.run = segment
+    return out
+
+
 def reduce_matrix(rank, ws, op_name, dtypes, sizes, root):
     out = []
     for dtype in dtypes:
@@ -491,7 +531,7 @@ def world_info(rank, ws):
 
 def pipelining_settings(rank, ws):
     """The piece size and scratch budget this rank's ring runs with."""
-    from distlib.algorithms import context
+    from distlib.backends.gloo.algorithms import context
 
     return context.PIPE_BYTES, context.SCRATCH_LIMIT
 
@@ -512,3 +552,63 @@ def crowded_transport(rank, ws, n):
         dist.all_reduce(array)
         oks.append(bool(close(array, reference("SUM", inputs))))
     return buffers, oks
+
+
+#: What each rank tries after the group failed (issue 37): each must raise on every rank.
+LATER_OPERATIONS = ["all_reduce", "large all_reduce", "broadcast", "barrier", "all_gather", "reduce_scatter"]
+
+
+def _later(name, rank, ws, group):
+    if name == "all_reduce":
+        dist.all_reduce(np.ones(4, np.float32), group=group)
+    elif name == "large all_reduce":
+        dist.all_reduce(np.ones(300_000, np.float32), group=group)
+    elif name == "broadcast":
+        dist.broadcast(np.ones(4, np.float32), src=0, group=group)
+    elif name == "barrier":
+        dist.barrier(group=group)
+    elif name == "all_gather":
+        dist.all_gather([np.empty(3, np.int32) for _ in range(ws)], np.full(3, rank, np.int32), group=group)
+    elif name == "reduce_scatter":
+        dist.reduce_scatter(np.empty(2, np.float64), [np.ones(2) for _ in range(ws)], group=group)
+
+
+def stays_aborted(rank, ws, how):
+    """A new group of every rank fails (``how``: "mismatch", an all_reduce of float32[4] on rank
+    0 against float32[8] on the others; "timeout", rank 0 waits past the group timeout for rank
+    1, which joins only once it has learnt of the abort; "abort", rank 0 aborts the group), then
+    every rank tries each of LATER_OPERATIONS on it. Returns (the first error this rank saw, or
+    "no error"; [(operation, its error text or "no error")]); the group is destroyed after, and
+    the default group still works."""
+    group = dist.new_group(list(range(ws)), timeout=timedelta(seconds=3))
+    first = "no error"
+    try:
+        if how == "mismatch":
+            dist.all_reduce(np.ones(4 if rank == 0 else 8, np.float32), group=group)
+        elif how == "timeout":
+            if rank == 1:  # joins once rank 0's timeout has aborted the group (an observable condition)
+                health = group.backends["cpu"].meshes[0].health
+                deadline = time.monotonic() + 30
+                while health.error is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            dist.all_reduce(np.ones(4, np.float32), group=group)
+        elif how == "abort":
+            if rank == 0:  # torch's _abort_process_group: the group is gone here, the others must learn it
+                dist.distributed._abort_process_group(group)
+                check = np.ones(1)
+                dist.all_reduce(check)
+                return "aborted by this rank", [], float(check[0])
+            dist.all_reduce(np.ones(4, np.float32), group=group)
+    except dist.DistBackendError as exc:
+        first = str(exc)
+    later = []
+    for name in LATER_OPERATIONS:
+        try:
+            _later(name, rank, ws, group)
+            later.append((name, "no error"))
+        except dist.DistBackendError as exc:
+            later.append((name, str(exc)))
+    dist.destroy_process_group(group)
+    check = np.ones(1)
+    dist.all_reduce(check)
+    return first, later, float(check[0])

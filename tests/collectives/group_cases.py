@@ -172,7 +172,7 @@ def progress_thread_stuck_mid_frame(rank, ws, path):
     wait expires first). Rank 0's timeout must say that rank 1 is alive, not silent."""
     import distlib as dist
     from distlib.distributed import get_default_group
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     def send_part_of_a_frame():
         time.sleep(0.5)

@@ -23,7 +23,7 @@ CASE_TIMEOUT = 120.0
 
 
 def _set_constants(constants: Dict[str, Any]) -> None:
-    """Set module constants ("distlib.algorithms.context.PIPE_BYTES": 16384) in this process."""
+    """Set module constants ("distlib.backends.gloo.algorithms.context.PIPE_BYTES": 16384) in this process."""
     import importlib
 
     for dotted, value in constants.items():

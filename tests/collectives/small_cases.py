@@ -155,30 +155,30 @@ def sync_calls_start_no_thread(rank, ws):
 
 def all_reduce_matrix_with(rank, ws, algorithm, op_name, dtypes, sizes):
     """cases.all_reduce_matrix with the TCP all_reduce algorithm forced to ``algorithm``."""
-    from distlib.algorithms import reduce as reduce_algos
+    from distlib.backends.gloo import sizes as gloo_sizes
 
     from .cases import all_reduce_matrix
 
-    chosen = reduce_algos.choose_all_reduce
-    reduce_algos.choose_all_reduce = lambda nbytes, n, crowded=False: algorithm
+    chosen = gloo_sizes.choose_all_reduce
+    gloo_sizes.choose_all_reduce = lambda nbytes, n, crowded=False: algorithm
     try:
         return all_reduce_matrix(rank, ws, op_name, dtypes, sizes)
     finally:
-        reduce_algos.choose_all_reduce = chosen
+        gloo_sizes.choose_all_reduce = chosen
 
 
 def mismatch_with_algorithm(rank, ws, algorithm, kind):
     """cases.mismatched_collectives with the TCP all_reduce algorithm forced."""
-    from distlib.algorithms import reduce as reduce_algos
+    from distlib.backends.gloo import sizes as gloo_sizes
 
     from .cases import mismatched_collectives
 
-    chosen = reduce_algos.choose_all_reduce
-    reduce_algos.choose_all_reduce = lambda nbytes, n, crowded=False: algorithm
+    chosen = gloo_sizes.choose_all_reduce
+    gloo_sizes.choose_all_reduce = lambda nbytes, n, crowded=False: algorithm
     try:
         return mismatched_collectives(rank, ws, kind)
     finally:
-        reduce_algos.choose_all_reduce = chosen
+        gloo_sizes.choose_all_reduce = chosen
 
 
 def killed_during_small_collectives(rank, ws, port, victim, asleep):

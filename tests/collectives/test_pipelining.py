@@ -11,7 +11,7 @@ from .harness import WorkerPool
 # 16 KiB pieces; 1 MiB of scratch: 300_007 float64 over 4 ranks is a 600 KB chunk, so the
 # window is 2 reduce steps of the 3, and a 1_000_003-element array takes the fresh-buffer path.
 ENV = {"DISTLIB_SHM": "0"}
-CONSTANTS = {"distlib.algorithms.context.PIPE_BYTES": 16 << 10, "distlib.algorithms.context.SCRATCH_LIMIT": 1 << 20}
+CONSTANTS = {"distlib.backends.gloo.algorithms.context.PIPE_BYTES": 16 << 10, "distlib.backends.gloo.algorithms.context.SCRATCH_LIMIT": 1 << 20}
 SIZES = [70_001, 300_007, 1_000_003]
 
 

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from distlib.backends.gloo_setup import small_slot_bytes
-from distlib.transport import shm_channel, shm_wait
+from distlib.backends.gloo.sizes import small_slot_bytes
+from distlib.backends.gloo.transport import shm_channel, shm_wait
 
 from . import cases, small_cases
 from .harness import WorkerPool, spawn
@@ -126,8 +126,8 @@ def test_mismatch_across_the_threshold_raises_on_every_rank(pool, kind, needle):
 
 #: No spinning or yielding, and kernel sleeps of 20 s: a wake-up the writer fails to give costs
 #: a waiter 20 s, and the rounds below would overrun the case's time limit.
-BLOCKING = {"distlib.transport.shm_wait.SPIN_S": 0.0, "distlib.transport.shm_wait.YIELD_S": 0.0,
-            "distlib.transport.shm_wait.YIELD_CROWDED_S": 0.0, "distlib.transport.shm_channel.BLOCK_SLICE_S": 20.0}
+BLOCKING = {"distlib.backends.gloo.transport.shm_wait.SPIN_S": 0.0, "distlib.backends.gloo.transport.shm_wait.YIELD_S": 0.0,
+            "distlib.backends.gloo.transport.shm_wait.YIELD_CROWDED_S": 0.0, "distlib.backends.gloo.transport.shm_channel.BLOCK_SLICE_S": 20.0}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda ws: f"ws{ws}")
@@ -192,7 +192,7 @@ def test_the_wait_policy_spins_only_with_a_cpu_per_rank():
 
 
 def test_descriptors_name_the_operation_and_the_difference():
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     word = shm_channel.descriptor(frames.OPS["broadcast"], 11, 0, 3)
     assert shm_channel.describe(word, 10) == "broadcast of 10 x float32 from rank 3"
@@ -246,7 +246,7 @@ def test_mismatch_over_tcp_raises_on_every_rank_whatever_the_algorithm(tcp_pool,
 
 
 def test_the_tree_is_chosen_when_ranks_outnumber_cpus():
-    from distlib.algorithms.reduce import choose_all_reduce
+    from distlib.backends.gloo.sizes import choose_all_reduce
 
     assert choose_all_reduce(4, 4, crowded=True) == "tree"
     assert choose_all_reduce(4, 3, crowded=True) == "tree"
@@ -265,7 +265,7 @@ def mesh_with_a_peer():
     other end plays rank 1); no progress thread."""
     import socket
 
-    from distlib.transport.tcp import Mesh
+    from distlib.backends.gloo.transport.tcp import Mesh
 
     mine, theirs = socket.socketpair()
     mesh = Mesh(0, 2, 5.0, 1, "test")
@@ -276,14 +276,14 @@ def mesh_with_a_peer():
 
 
 def _data(op_name, dtype, seq, count, step=0, nbytes=4):
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     return (frames.DATA, frames.OPS[op_name], dtype, 0, seq, step, count, nbytes)
 
 
 def test_a_frame_that_came_early_for_another_collective_is_caught_when_the_operation_begins(mesh_with_a_peer):
     from distlib.errors import DistBackendError
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     mesh, conn, _ = mesh_with_a_peer
     mesh.matching.arrive(1, _data("broadcast", 11, 7, 5, step=3), bytearray(4))  # a later step: no receive posted
@@ -295,7 +295,7 @@ def test_a_frame_that_came_early_for_another_collective_is_caught_when_the_opera
 
 def test_a_frame_of_an_operation_this_rank_finished_is_a_mismatch(mesh_with_a_peer):
     from distlib.errors import DistBackendError
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     mesh, conn, _ = mesh_with_a_peer
     mesh.matching.arrive(1, _data("all_reduce", 11, 6, 5), bytearray(4))
@@ -304,7 +304,7 @@ def test_a_frame_of_an_operation_this_rank_finished_is_a_mismatch(mesh_with_a_pe
 
 
 def test_frames_that_agree_or_come_later_pass(mesh_with_a_peer):
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     mesh, conn, _ = mesh_with_a_peer
     mesh.matching.arrive(1, (frames.DATA, frames.OPS["all_reduce"], 11, 1, 7, 1, 5, 4), bytearray(4))
@@ -315,7 +315,7 @@ def test_frames_that_agree_or_come_later_pass(mesh_with_a_peer):
 
 def test_an_aborted_mesh_names_the_cause_not_the_frames_the_abort_left_unread(mesh_with_a_peer):
     from distlib.errors import DistBackendError
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     mesh, conn, _ = mesh_with_a_peer
     mesh.abort(DistBackendError("the real cause"))
@@ -327,7 +327,7 @@ def test_an_aborted_mesh_names_the_cause_not_the_frames_the_abort_left_unread(me
 def test_a_heartbeat_from_a_peer_waiting_in_another_collective_aborts(mesh_with_a_peer):
     """Two ranks in different collectives that never send each other data: the waiting one's
     heartbeat says what it waits in."""
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     mesh, conn, theirs = mesh_with_a_peer
     mesh.begin(4, frames.OPS["all_reduce"], 11, 1, 10)
@@ -340,7 +340,7 @@ def test_a_heartbeat_from_a_peer_waiting_in_another_collective_aborts(mesh_with_
 
 
 def test_a_heartbeat_about_the_same_collective_is_no_mismatch(mesh_with_a_peer):
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     mesh, conn, theirs = mesh_with_a_peer
     mesh.begin(4, frames.OPS["all_reduce"], 11, 1, 10)
@@ -354,7 +354,7 @@ def test_a_heartbeat_about_the_same_collective_is_no_mismatch(mesh_with_a_peer):
 
 
 def test_one_rule_says_whether_two_ranks_are_in_the_same_collective():
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     all_reduce, all_to_all = frames.OPS["all_reduce"], frames.OPS["all_to_all"]
     assert frames.agree((all_reduce, 11, 1, 5), (all_reduce, 11, 1, 5))
@@ -375,20 +375,20 @@ def test_one_rule_says_whether_two_ranks_are_in_the_same_collective():
 
 
 def _matching():
-    from distlib.transport.matching import Matching
+    from distlib.backends.gloo.transport.matching import Matching
 
     return Matching(3, lambda peer: f"rank {peer} (peer:{peer})")
 
 
 def _slot(nbytes=4, kind=None, op_name="all_reduce", count=1):
-    from distlib.transport import frames
-    from distlib.transport.matching import Slot
+    from distlib.backends.gloo.transport import frames
+    from distlib.backends.gloo.transport.matching import Slot
 
     return Slot(memoryview(bytearray(nbytes)), kind or frames.DATA, frames.OPS[op_name], 11, 1, count, "a step", 7)
 
 
 def test_a_frame_fills_the_receive_posted_for_its_operation_and_step():
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     matching = _matching()
     slot = _slot()
@@ -400,7 +400,7 @@ def test_a_frame_fills_the_receive_posted_for_its_operation_and_step():
 
 
 def test_a_frame_that_comes_first_is_kept_until_its_receive_is_posted():
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     matching = _matching()
     fields = (frames.DATA, frames.OPS["all_reduce"], 11, 1, 7, 2, 1, 4)
@@ -410,7 +410,7 @@ def test_a_frame_that_comes_first_is_kept_until_its_receive_is_posted():
 
 
 def test_point_to_point_frames_match_in_order_per_tag_and_from_any_source():
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     matching = _matching()
     first, second, anyone = _slot(kind=frames.P2P), _slot(kind=frames.P2P), _slot(kind=frames.P2P)
@@ -424,8 +424,8 @@ def test_point_to_point_frames_match_in_order_per_tag_and_from_any_source():
 
 
 def test_nothing_is_posted_for_a_lost_peer_but_what_it_sent_before_still_matches():
-    from distlib.transport import frames
-    from distlib.transport.matching import LOST
+    from distlib.backends.gloo.transport import frames
+    from distlib.backends.gloo.transport.matching import LOST
 
     matching = _matching()
     waiting = _slot()
@@ -441,7 +441,7 @@ def test_nothing_is_posted_for_a_lost_peer_but_what_it_sent_before_still_matches
 
 
 def test_a_receive_whose_deadline_passed_is_withdrawn_unless_a_frame_took_it():
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     matching = _matching()
     slot, taken = _slot(), _slot()
@@ -453,7 +453,7 @@ def test_a_receive_whose_deadline_passed_is_withdrawn_unless_a_frame_took_it():
 
 
 def test_a_frame_nobody_posted_for_is_checked_against_the_operation_this_rank_is_in():
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     matching = _matching()
     assert matching.begin(7, frames.OPS["all_reduce"], 11, 1, 5) is None
@@ -467,7 +467,7 @@ def test_a_frame_nobody_posted_for_is_checked_against_the_operation_this_rank_is
 
 
 def test_all_receives_are_taken_out_when_the_group_fails():
-    from distlib.transport import frames
+    from distlib.backends.gloo.transport import frames
 
     matching = _matching()
     slots = [_slot(), _slot(kind=frames.P2P), _slot(kind=frames.P2P)]

@@ -2,7 +2,7 @@
 
 import socket
 
-from distlib.transport import address
+from distlib.backends.gloo.transport import address
 
 from . import cases, group_cases
 from .harness import WorkerPool, spawn
@@ -55,7 +55,7 @@ def test_host_identity_is_stable():
 
 def test_loopback_address_in_a_multi_host_world_is_warned(caplog):
     """The 127.0.1.1 trap: a rank whose host name resolves to loopback advertises it."""
-    from distlib.backends.gloo_setup import warn_loopback
+    from distlib.backends.gloo.group_setup import warn_loopback
 
     records = [
         {"addresses": [["10.0.0.2", 30001]], "host_id": "a"},
@@ -69,7 +69,7 @@ def test_loopback_address_in_a_multi_host_world_is_warned(caplog):
 
 
 def test_early_frame_buffers_are_reused_and_never_handed_out_twice():
-    from distlib.transport.early import MIN_KEPT_BYTES, EarlyBuffers
+    from distlib.backends.gloo.transport.early import MIN_KEPT_BYTES, EarlyBuffers
 
     size = MIN_KEPT_BYTES
     pool = EarlyBuffers(limit=2 * size)
@@ -90,9 +90,9 @@ def test_early_frame_buffers_are_reused_and_never_handed_out_twice():
 
 
 def test_receive_buffer_is_fixed_only_for_crowded_peers_on_this_machine():
-    from distlib.backends.gloo_setup import receive_buffers
+    from distlib.backends.gloo.group_setup import receive_buffers
     from distlib.cpus import usable_cpus
-    from distlib.transport import connection
+    from distlib.backends.gloo.transport import connection
 
     assert connection.crowded_receive_buffer(4, 2) == connection.CROWDED_RCVBUF > 0
     assert connection.crowded_receive_buffer(2, 2) == 0 and connection.crowded_receive_buffer(1, 1) == 0
@@ -111,7 +111,7 @@ def test_ranks_crowded_onto_one_cpu_fix_their_receive_buffers_and_still_reduce_c
     (larger than the buffer's share, so sends block until the peer reads) are right."""
     import os
 
-    from distlib.transport import connection
+    from distlib.backends.gloo.transport import connection
 
     with open("/proc/sys/net/core/rmem_max") as f:
         rmem_max = int(f.read())

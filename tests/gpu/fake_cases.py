@@ -126,13 +126,13 @@ def silent_rank(rank, ws, where, store, device_id, laggard, how, timeout_s, enqu
     took = time.monotonic() - started
     _signal(where, f"done.{rank}")
     _wait_for(where, living, 4 * timeout_s + 60)  # rank 0 may host the store: everyone is through first
-    return text, elapsed, again == text, took, list(fake.violations)
+    return text, elapsed, text in again and "aborted by an earlier failure" in again, took, list(fake.violations)
 
 
 def silent_rank_problems(values, ws, laggard, how, timeout_s):
     """What is wrong with silent_rank's answers (the exited rank's left out): [] when each
     survivor raised the watchdog's error naming the laggard within the timeout and a few
-    seconds, raised it again on the next call, destroyed at once, and every destroy returned."""
+    seconds, refused the next call naming it, destroyed at once, and every destroy returned."""
     problems = []
     ranks = [r for r in range(ws) if not (how == "exit" and r == laggard)]
     for rank, (text, elapsed, same_again, took, violations) in zip(ranks, values):
@@ -156,7 +156,7 @@ def silent_rank_problems(values, ws, laggard, how, timeout_s):
         if not (timeout_s if timed_out else 0) <= elapsed < timeout_s + 10:
             problems.append(f"rank {rank}: the error came after {elapsed:.1f}s (timeout {timeout_s}s)")
         if not same_again:
-            problems.append(f"rank {rank}: the next call did not raise the same error")
+            problems.append(f"rank {rank}: the next call did not refuse, naming the error")
         if took >= 5:
             problems.append(f"rank {rank}: destroy after the failure took {took:.1f}s")
     return problems
@@ -185,3 +185,39 @@ def refusals(rank, ws, where):
 
     dist, fake = _init(rank, ws, where, "file", 0, 30)
     return gpu_cases.refusals_on(dist, fake.cupy, ws) + (list(fake.violations),)
+
+
+def mismatch_stays_failed(rank, ws, where, timeout_s):
+    """all_reduce of float32[4] on rank 0 against float32[8] on the others (issue 37). NCCL
+    checks no counts: its ranks wait for each other (the fake too), until the watchdog's
+    timeout fails the group on every rank. Then every later operation is refused at once,
+    naming that failure, until the group is destroyed. Returns (the first error, [(operation,
+    its error or "no error")], seconds the destroy took, the fake's violations)."""
+    dist, fake = _init(rank, ws, where, "file", 0, timeout_s)
+    cp = fake.cupy
+    first = "no error"
+    try:
+        dist.all_reduce(cp.asarray(np.ones(4 if rank == 0 else 8, np.float32)))
+        dist.barrier()  # blocks the host until the device has run it, or the group failed
+    except dist.DistBackendError as exc:
+        first = str(exc)
+    x = cp.asarray(np.ones(4, np.float32))
+    later_calls = [
+        ("all_reduce", lambda: dist.all_reduce(x)),
+        ("broadcast", lambda: dist.broadcast(x, src=0)),
+        ("barrier", lambda: dist.barrier()),
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(cp.asarray(np.zeros(4 * ws, np.float32)), x)),
+        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(cp.asarray(np.zeros(2, np.float32)),
+                                                                     cp.asarray(np.ones(2 * ws, np.float32)))),
+        ("send/recv", lambda: dist.send(x, dst=1) if rank == 0 else dist.recv(x, src=0)),
+    ]
+    later = []
+    for name, call in later_calls:
+        try:
+            call()
+            later.append((name, "no error"))
+        except dist.DistBackendError as exc:
+            later.append((name, str(exc)))
+    started = time.monotonic()
+    dist.destroy_process_group()
+    return first, later, time.monotonic() - started, list(fake.violations)

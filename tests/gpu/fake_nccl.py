@@ -273,6 +273,9 @@ class NcclCommunicator:
             mine = self._buffer(send, count, dtype) if self.me == root else None
             got = self._exchange(seq, None if mine is None else mine.copy(), [root], dtype)
             out = self._buffer(recv, count, dtype)
+            if got is not None and got[root].size != count:
+                self._hang_on_a_count_mismatch()
+                return
             if got is not None and out is not None:
                 out[...] = got[root]
             return
@@ -283,6 +286,9 @@ class NcclCommunicator:
         if got is None:
             return
         parts = [got[r] for r in everyone]
+        if len({part.size for part in parts}) > 1:
+            self._hang_on_a_count_mismatch()
+            return
         if kind == "all_reduce":
             result = _reduce(spec[5], parts)
         elif kind == "reduce":
@@ -296,6 +302,12 @@ class NcclCommunicator:
         out = self._buffer(recv, result.size, dtype)
         if out is not None:
             out[...] = result
+
+    def _hang_on_a_count_mismatch(self) -> None:
+        """Ranks that gave one collective different counts: NCCL does not check them, and its
+        ranks wait for data that never comes; so does the fake, until the communicator is
+        aborted (the watchdog's timeout does it)."""
+        self._aborted.wait()
 
     def _run_group(self, ops) -> None:
         for kind, ptr, count, peer, datatype, n in ops:

@@ -14,8 +14,8 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from distlib.backends import nccl_plan as P
-from distlib.backends import nccl_types as T
+from distlib.backends.nccl import dtypes as T
+from distlib.backends.nccl import plan as P
 
 _REDUCE = {T.SUM: np.add, T.PROD: np.multiply, T.MAX: np.maximum, T.MIN: np.minimum}
 

@@ -9,15 +9,16 @@ import pytest
 
 import distlib as dist
 from distlib.backends import base
-from distlib.work import Work
+from distlib.work import HostWork, Work
 
 
-class _Done(Work):
-    """A stream-ordered operation that the device has already run; records who waited."""
+class _Done(HostWork):
+    """A stream-ordered operation that the device has already run; records who waited (a
+    plugin's Work implements the Work protocol, here through HostWork)."""
 
     def __init__(self, op_name, log):
         super().__init__(op_name)
-        self._finish()
+        self.finish()
         self.log = log
 
     def wait(self, timeout=None):
@@ -74,8 +75,8 @@ def group():
 def test_the_kinds_are_declared():
     assert dist.CommBackend.kind is base.HOST_SYNCHRONOUS
     assert dist.StreamOrderedBackend.kind is base.STREAM_ORDERED
-    from distlib.backends.gloo import GlooBackend
-    from distlib.backends.nccl import NcclBackend
+    from distlib.backends.gloo.backend import GlooBackend
+    from distlib.backends.nccl.backend import NcclBackend
 
     assert GlooBackend.kind is base.HOST_SYNCHRONOUS and NcclBackend.kind is base.STREAM_ORDERED
 
@@ -105,6 +106,7 @@ def test_a_host_synchronous_backend_runs_in_the_groups_order(group):
     assert dist.all_reduce(x) is None and x.tolist() == [1.0, 1.0]
     work = dist.all_reduce(x, async_op=True)
     assert work.wait() and x.tolist() == [2.0, 2.0] and work.result() == [x]
+    assert isinstance(work, Work) and isinstance(work, HostWork)  # the host's implementation of the protocol
 
 
 def test_a_creator_must_return_one_of_the_kinds():

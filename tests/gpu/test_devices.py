@@ -2,8 +2,14 @@
 
 import pytest
 
-from distlib.backends.nccl_devices import (check_same_device, choose_device, local_rank, parse_device_id,
-                                           shared_gpus_hint)
+from distlib.backends.nccl.devices import (
+    check_same_device,
+    choose_device,
+    local_rank,
+    parse_device_id,
+    shared_gpus_hint,
+)
+from distlib.identity import Identity
 
 
 class _Device:
@@ -40,27 +46,27 @@ def test_device_id_out_of_range_in_torchs_words():
 
 
 def test_bound_device_wins_and_other_arrays_are_refused():
-    assert choose_device(None, 2, {"LOCAL_RANK": "1"}, 0, 4) == (2, "device_id=2")
-    assert choose_device(2, 2, {}, 0, 4)[0] == 2
+    assert choose_device(None, 2, Identity(local_rank=1), 0, 4) == (2, "device_id=2")
+    assert choose_device(2, 2, Identity(), 0, 4)[0] == 2
     with pytest.raises(ValueError, match=r"the array is on cuda:1, but the process group is bound to cuda:2"):
-        choose_device(1, 2, {}, 0, 4)
+        choose_device(1, 2, Identity(), 0, 4)
 
 
 def test_the_arrays_device_comes_before_local_rank():
-    assert choose_device(3, None, {"LOCAL_RANK": "1"}, 0, 4) == (3, "the array's device")
+    assert choose_device(3, None, Identity(local_rank=1), 0, 4) == (3, "the array's device")
 
 
 def test_local_rank_picks_the_default_device_modulo_the_visible_ones():
-    assert choose_device(None, None, {"LOCAL_RANK": "1"}, 0, 4) == (1, "LOCAL_RANK=1 of 4 visible device(s)")
-    assert choose_device(None, None, {"LOCAL_RANK": "5"}, 0, 4)[0] == 1
-    assert choose_device(None, None, {"LOCAL_RANK": " "}, 2, 4) == (2, "the current cupy device")
-    assert choose_device(None, None, {}, 2, 4) == (2, "the current cupy device")
+    assert choose_device(None, None, Identity(local_rank=1), 0, 4) == (1, "LOCAL_RANK=1 of 4 visible device(s)")
+    assert choose_device(None, None, Identity(local_rank=5), 0, 4)[0] == 1
+    assert choose_device(None, None, Identity.read({"LOCAL_RANK": " "}), 2, 4) == (2, "the current cupy device")
+    assert choose_device(None, None, Identity(), 2, 4) == (2, "the current cupy device")
 
 
 def test_a_malformed_local_rank_is_an_error_naming_it():
-    assert local_rank({"LOCAL_RANK": "7"}) == 7 and local_rank({}) is None
-    with pytest.raises(ValueError, match="LOCAL_RANK='one' is not a non-negative integer"):
-        choose_device(None, None, {"LOCAL_RANK": "one"}, 0, 2)
+    assert local_rank(Identity.read({"LOCAL_RANK": "7"})) == 7 and local_rank(Identity.read({})) is None
+    with pytest.raises(ValueError, match="LOCAL_RANK='one' is not an integer"):
+        choose_device(None, None, Identity.read({"LOCAL_RANK": "one"}), 0, 2)
 
 
 def test_an_array_on_another_gpu_than_the_communicator():

@@ -58,7 +58,7 @@ def test_a_silent_rank_is_named_and_nobody_crashes_or_hangs(ws, store, device_id
     """Rank 1 issues collectives #1 and #2 and then goes silent ("barrier", "loop": it sleeps;
     "exit": it is gone). The others issue #3 and wait in barrier(), or keep enqueueing (the
     watchdog then aborts while they enqueue: the probable GPU crash); each raises the
-    watchdog's error naming rank 1 after the timeout, raises it again on the next call, and
+    watchdog's error naming rank 1 after the timeout, refuses the next call naming it, and
     destroys at once; the silent rank's own destroy returns too."""
     laggard, timeout_s = 1, 3.0
     where = str(tmp_path)
@@ -154,6 +154,7 @@ def test_a_future_and_a_barrier_see_the_device_finish(one_rank):
     x = fake.cupy.asarray(np.full(2, 5.0, np.float32))
     release = fake.hold()
     work = dist.all_reduce(x, async_op=True)
+    assert isinstance(work, dist.Work)  # NcclWork implements the Work protocol
     future = work.get_future()
     assert not work.is_completed() and not future.done()
     release.set()
@@ -199,3 +200,19 @@ def test_the_benchs_per_call_round_on_the_fake(one_rank, calls, in_flight):
     reply = collectives_cuda.per_call_round(dist, _FakeDevice(fake), 0, 1, calls, in_flight)
     assert reply["wrong"] is None and reply["per_call_s"] > 0
     assert reply["held"] is (True if in_flight else None), reply
+
+
+def test_a_mismatched_collective_fails_the_group_and_it_stays_failed(tmp_path):
+    """float32[4] against float32[8] at 2 ranks (issue 37): the watchdog's timeout fails the
+    group on both ranks; every later operation is refused on both, naming that failure, and
+    the destroy returns at once."""
+    timeout_s = 3.0
+    where = str(tmp_path)
+    values = answers(spawn(fake_cases.mismatch_stays_failed, 2, where, timeout_s, timeout=120), where)
+    for rank, (first, later, took, violations) in enumerate(values):
+        assert "(collective #1 in this group) timed out after" in first, f"rank {rank}: {first!r}"
+        succeeded = [name for name, text in later if text == "no error"]
+        assert succeeded == [], f"rank {rank}: these succeeded on the failed group: {succeeded}"
+        for name, text in later:
+            assert "aborted by an earlier failure" in text and first in text, f"rank {rank}, {name}: {text!r}"
+        assert took < 10 and violations == [], (rank, took, violations)

@@ -5,8 +5,8 @@ backend accepts, world sizes 1-4, NCCL with and without a native AVG."""
 import numpy as np
 import pytest
 
-from distlib.backends import nccl_plan as P
-from distlib.backends import nccl_types as T
+from distlib.backends.nccl import dtypes as T
+from distlib.backends.nccl import plan as P
 from distlib.reduce_op import _make_nccl_premul_sum, as_reduce_op, check_op_for_dtype
 from tests.collectives.cases import close, make_input, reference
 

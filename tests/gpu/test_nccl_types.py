@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import distlib as dist
-from distlib.backends import nccl_types as T
+from distlib.backends.nccl import dtypes as T
 from distlib.reduce_op import _make_nccl_premul_sum
 from tests.fixtures.ports import free_port
 

@@ -6,7 +6,8 @@ from datetime import timedelta
 import pytest
 
 import distlib as dist
-from distlib.backends import nccl_watchdog as W
+from distlib.backends.nccl import watchdog as W
+from distlib.backends.nccl.lifecycle import EnqueueFailure, Lifecycle
 from tests.fixtures.ports import free_port
 
 HOSTS = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
@@ -116,7 +117,7 @@ def test_a_lost_store_is_said_not_guessed(stores):
 
 class _Op:
     """An outstanding operation whose completion the test controls: its own event (``done``)
-    and its Work (``_settle``)."""
+    and its Work (``settle``)."""
 
     def __init__(self, seq, started):
         self.done = False
@@ -126,20 +127,38 @@ class _Op:
     def finish(self):
         self.done = True
 
-    def _settle(self, error):
+    def settle(self, error):
         self.settled.append(error)
 
 
+class _Comm:
+    """The communicator as the watchdog sees it: asynchronous errors the test scripts, aborts counted."""
+
+    def __init__(self, async_errors):
+        self.errors, self.aborts = list(async_errors), 0
+
+    def async_error(self):
+        return self.errors.pop(0) if self.errors else None
+
+    def abort(self):
+        self.aborts += 1
+
+
+class _Diagnosis:
+    """Records each failure the watchdog has described, and describes it in one line."""
+
+    def __init__(self):
+        self.failures = []
+
+    def describe(self, oldest, cause, stop):
+        self.failures.append((oldest.seq if oldest else None, cause))
+        return f"failed at {oldest.seq if oldest else 'idle'}: {cause}"
+
+
 def _watchdog(async_errors=(), timeout_s=10.0):
-    failures = []
-    errors = list(async_errors)
-
-    def fail(pending, cause):
-        failures.append((pending.seq if pending else None, cause))
-        return RuntimeError(f"failed at {pending.seq if pending else 'idle'}: {cause}")
-
-    dog = W.Watchdog("pg0/nccl", timeout_s, lambda: errors.pop(0) if errors else None, fail)
-    return dog, failures
+    diagnosis = _Diagnosis()
+    dog = W.Watchdog("pg0/nccl", timeout_s, Lifecycle("pg0/nccl", 1.0), _Comm(async_errors), diagnosis)
+    return dog, diagnosis.failures
 
 
 def test_finished_operations_are_settled_and_released():
@@ -165,7 +184,9 @@ def test_the_oldest_operation_past_the_timeout_fails_everything_outstanding():
     assert dog.poll_once(now=110.5) is True
     assert failures == [(4, "timed out after 10.5s (timeout 10.0s)")]
     assert str(a.settled[0]) == str(b.settled[0]) == "failed at 4: timed out after 10.5s (timeout 10.0s)"
-    assert dog.failed and dog.outstanding() == 0
+    assert dog.lifecycle.failed and dog.handled_failure and dog.outstanding() == 0
+    assert dog.comm.aborts == 1 and dog.lifecycle.halted and dog.lifecycle.failing.is_set()
+    assert str(dog.lifecycle.error) == "failed at 4: timed out after 10.5s (timeout 10.0s)"
 
 
 def test_an_nccl_error_fails_at_once_even_when_idle():
@@ -237,7 +258,7 @@ def test_a_failing_watchdog_fails_the_group_instead_of_dying_silently():
     dog.add(op.pending)
     dog.start()
     dog.thread.join(10)
-    assert not dog.thread.is_alive() and dog.failed
+    assert not dog.thread.is_alive() and dog.lifecycle.failed
     assert failures == [(1, "could not be watched: the watchdog failed (RuntimeError: cudaErrorLaunchFailure: "
                             "unspecified launch failure)")]
     assert str(op.settled[0]).startswith("failed at 1: could not be watched")
@@ -257,3 +278,24 @@ def test_flush_waits_for_the_outstanding_and_halt_stops_successes():
     b.finish()  # an aborted kernel completes its event too
     assert dog.flush(0.2) is False and b.settled == []
     assert [p.seq for p in dog.close()] == [2]
+
+
+def test_an_enqueue_that_failed_is_the_cause_and_names_its_operation():
+    """The backend records the refused enqueue in the lifecycle; the watchdog reads it there (no
+    call into the backend), aborts the communicator and makes the group's error, which every
+    reader of the lifecycle then raises."""
+    dog, failures = _watchdog()
+    refused = EnqueueFailure("all_reduce of 4 x float32", 3, True, "could not be enqueued on rank 0 (boom)")
+    dog.lifecycle.enqueue_failed(refused)
+    assert dog.lifecycle.failing.is_set() and not dog.lifecycle.failed  # nothing new is enqueued meanwhile
+    assert dog.poll_once(now=0.0) is True
+    assert failures == [(None, "could not be enqueued on rank 0 (boom)")] and dog.comm.aborts == 1
+    with pytest.raises(Exception, match="failed at idle: could not be enqueued on rank 0"):
+        dog.lifecycle.raise_if_failed()
+
+
+def test_an_abort_before_the_watchdogs_failure_keeps_the_first_error():
+    dog, failures = _watchdog(async_errors=["failed: NCCL reported boom"])
+    first = dog.lifecycle.fail(RuntimeError("aborted by the user"))
+    assert dog.poll_once(now=0.0) is True  # the watchdog still fails what is outstanding
+    assert dog.lifecycle.error is first and str(first) == "aborted by the user"

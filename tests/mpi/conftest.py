@@ -15,7 +15,7 @@ SUITE_TIMEOUT = 300
 
 
 def _missing() -> str:
-    from distlib.backends import mpi_runtime
+    from distlib.backends.mpi import runtime as mpi_runtime
 
     if not mpi_runtime.available():
         return mpi_runtime.unavailable_reason()

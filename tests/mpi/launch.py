@@ -27,7 +27,7 @@ def mpirun_path() -> Optional[str]:
 
 
 def is_open_mpi() -> bool:
-    from mpi4py import MPI  # loading only: distlib.backends.mpi_runtime decides about init
+    from mpi4py import MPI  # loading only: distlib.backends.mpi.runtime decides about init
 
     return MPI.Get_library_version().startswith("Open MPI")
 

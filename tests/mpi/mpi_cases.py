@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -17,7 +18,7 @@ import distlib as dist
 def world_info(rank, ws):
     from mpi4py import MPI
 
-    from distlib.backends import mpi_runtime
+    from distlib.backends.mpi import runtime as mpi_runtime
     from distlib.distributed import get_default_group
 
     group = dist.new_group(list(range(ws)))
@@ -221,7 +222,7 @@ def stalled_rank(rank, ws, victim):
 def async_left_in_flight(rank, ws):
     """Rank 0 starts an all_reduce nobody else joins and never waits for it, then exits."""
     if rank == 0:
-        from distlib.backends.mpi_watchdog import WATCHDOG
+        from distlib.backends.mpi.watchdog import WATCHDOG
 
         dist.all_reduce(np.ones(4), async_op=True)
         deadline = time.monotonic() + 20
@@ -315,3 +316,44 @@ def staged(rank, ws):
     from tests.gpu.staging_cases import every_collective
 
     return every_collective(rank, ws)
+
+
+#: Whether this rank saw the mismatch (mismatch_stays_aborted), for the case after it.
+_SAW_THE_MISMATCH = []
+
+
+def mismatch_stays_aborted(rank, ws):
+    """all_reduce of float32[4] on rank 0 against float32[8] on the others: MPI reports it on
+    the ranks that receive more than they posted (MPI_ERR_TRUNCATE), and is silent on the
+    others. A rank that saw the error then tries every one of cases.LATER_OPERATIONS on the
+    group: each must be refused at once, naming that error. Returns (the first error or "no
+    error", [(operation, its error or "no error")])."""
+    from tests.collectives import cases
+
+    first = "no error"
+    try:
+        dist.all_reduce(np.ones(4 if rank == 0 else 8, np.float32))
+    except dist.DistBackendError as exc:
+        first = str(exc)
+        _SAW_THE_MISMATCH.append(first)
+    later = []
+    if first != "no error":
+        for name in cases.LATER_OPERATIONS:
+            try:
+                cases._later(name, rank, ws, None)
+                later.append((name, "no error"))
+            except dist.DistBackendError as exc:
+                later.append((name, str(exc)))
+    return first, later
+
+
+def waits_on_the_failed_ranks(rank, ws):
+    """The ranks where MPI said nothing go on with the group and wait in an all_reduce for the
+    ranks that failed, which wait in their own code: past the group timeout the waiting ranks'
+    watchdogs end the job, naming the failed ranks and their failure (what each rank answers
+    when asked, mpi/watchdog.py)."""
+    if _SAW_THE_MISMATCH:
+        threading.Event().wait(120)  # in this rank's own code until the job is ended
+        return "not ended"
+    dist.all_reduce(np.ones(4, np.float32))
+    return "finished"

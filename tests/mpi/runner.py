@@ -83,6 +83,13 @@ def mismatch_plan(ws: int) -> Plan:
     return [("pids", m.pid, ()), ("other_collective", m.other_collective, (ws - 1,))]
 
 
+def aborted_plan(ws: int) -> Plan:
+    from . import mpi_cases as m
+
+    return [("pids", m.pid, ()), ("mismatch_stays_aborted", m.mismatch_stays_aborted, ()),
+            ("waits_on_the_failed_ranks", m.waits_on_the_failed_ranks, ())]
+
+
 def exit_pending_plan(ws: int) -> Plan:
     from . import mpi_cases as m
 
@@ -90,7 +97,7 @@ def exit_pending_plan(ws: int) -> Plan:
 
 
 SUITES = {"matrix": matrix_plan, "killed": failure_plan, "stall": stall_plan, "exit_pending": exit_pending_plan,
-          "mismatch": mismatch_plan}
+          "mismatch": mismatch_plan, "aborted": aborted_plan}
 
 
 def main() -> None:

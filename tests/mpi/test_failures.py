@@ -101,3 +101,32 @@ def test_exiting_with_an_operation_in_flight_aborts_instead_of_hanging_in_finali
     assert ("rank 0 of MPI_COMM_WORLD" in text and "exiting while 1 MPI operation(s) are still in flight "
             "(all_reduce of 4 x float64 on pg0/mpi)" in text), text[-3000:]
     assert job.case("left_in_flight") == ["returned", "returned"]
+
+
+def test_a_rank_that_saw_a_mismatch_refuses_the_group_and_the_others_are_told_why(open_mpi, tmp_path):
+    """all_reduce of float32[4] against float32[8] at 2 ranks (issue 37): MPI reports it
+    (MPI_ERR_TRUNCATE) on the rank that posted less, and is silent on the other. The rank that
+    saw it refuses every later operation on the group at once, naming it (MPI cannot tell the
+    other rank, and cannot cancel a call); the other rank's next all_reduce waits for it, and
+    after the group timeout its watchdog ends the job saying that the failed rank refuses the
+    group, and why."""
+    from .launch import run_job
+
+    job = run_job(2, "aborted", tmp_path / "aborted", timeout=120, extra=["--timeout", "3"])
+    text = _one_line(job.output)
+    outcomes = job.case("mismatch_stays_aborted")
+    failed = [rank for rank, (first, _) in enumerate(outcomes) if first != "no error"]
+    assert failed, f"MPI reported the mismatch on no rank: {outcomes}"
+    for rank in failed:
+        first, later = outcomes[rank]
+        assert "failed in MPI" in first, f"rank {rank}: {first!r}"
+        succeeded = [name for name, error in later if error == "no error"]
+        assert succeeded == [], f"rank {rank}: these succeeded on the group it had seen fail: {succeeded}"
+        for name, error in later:
+            assert "aborted by an earlier failure" in error and first in error, f"rank {rank}, {name}: {error!r}"
+    assert job.returncode == 62 and job.seconds < 3 + 25, (job.returncode, job.seconds, text[-3000:])
+    for rank in failed:
+        assert re.search(rf"rank {rank} \(host \S+\) refuses every operation of pg0/mpi since it failed there: "
+                         rf"pg0/mpi: rank {rank}: all_reduce of \d+ x float32 failed in MPI", text), text[-3000:]
+    pids = [r["pids"][1] for r in job.results if "pids" in r]
+    assert len(pids) == 2 and not _left_running(pids), f"ranks left running: {pids}"

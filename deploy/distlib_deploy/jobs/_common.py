@@ -180,7 +180,7 @@ def interface_address() -> Optional[str]:
     if not ifname:
         return None
     try:
-        from distlib.transport.address import interface_address as address_of
+        from distlib.backends.gloo.transport.address import interface_address as address_of
 
         return address_of(ifname)
     except Exception:  # noqa: BLE001 - the report says "?" instead

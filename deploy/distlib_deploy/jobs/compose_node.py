@@ -111,7 +111,7 @@ def own_address() -> str:
     """This container's IPv4 address on the cluster network."""
     ifname = (os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") or [""])[0].strip()
     if ifname:
-        from distlib.transport.address import interface_address
+        from distlib.backends.gloo.transport.address import interface_address
 
         return interface_address(ifname)
     return socket.gethostbyname(socket.gethostname())
