@@ -34,7 +34,7 @@ help:
 $(VENV)/.installed: pyproject.toml deploy/pyproject.toml bench/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test,mpi]' -e './deploy[cluster]' -e ./bench
+	$(VENV)/bin/pip install --quiet -e '.[test,testing,mpi]' -e './deploy[cluster]' -e ./bench
 	touch $@
 
 venv: $(VENV)/.installed
