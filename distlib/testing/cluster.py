@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
-from . import _site
 from .channel import Channel, unix_path_ok
 from .events import Event, EventLog
 from .faults import host_name
@@ -37,7 +36,6 @@ log = logging.getLogger("distlib.testing")
 DEFAULT_DEADLINE_S = 300.0
 #: how long the master service has to say it listens (a loaded CI machine starts Python slowly)
 MASTER_START_S = 60.0
-SITE_DIR = os.path.dirname(os.path.abspath(_site.__file__))
 
 
 class Unsupported(Exception):
@@ -136,7 +134,8 @@ class _Run:
     # --- start -----------------------------------------------------------------------------------
 
     def _environment(self, host: str) -> Dict[str, str]:
-        paths = [SITE_DIR] + [p for p in sys.path if p and os.path.abspath(p).startswith(self.cluster.project_dir)]
+        paths = self.cluster.substrate.python_paths(host) + [
+            p for p in sys.path if p and os.path.abspath(p).startswith(self.cluster.project_dir)]
         if not any(os.path.abspath(p) == self.cluster.project_dir for p in paths):
             paths.append(self.cluster.project_dir)
         inherited = os.environ.get("PYTHONPATH")

@@ -230,6 +230,9 @@ class Disk(Fault):
     name: ClassVar[str] = "disk"
     needs: ClassVar[FrozenSet[str]] = frozenset({"disk"})
 
+    def requirements(self) -> FrozenSet[str]:
+        return self.needs | ({"readonly"} if self.state == "readonly" else set())
+
     def __post_init__(self) -> None:
         if self.state not in ("full", "readonly", "ok"):
             raise ValueError(f"Disk state must be 'full', 'readonly' or 'ok', not {self.state!r}")

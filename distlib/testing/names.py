@@ -12,9 +12,18 @@ import threading
 from typing import Dict, Set
 
 
+#: every host's /etc/resolv.conf: no DNS server (nothing listens on the host's own loopback), so
+#: a name resolves from the hosts file or not at all, at once; the engine's DNS (a container
+#: network's resolves container names) and the machine's resolver stay out of it
+RESOLV_CONF = "# distlib.testing: host names come from /etc/hosts only\nnameserver 127.0.0.1\noptions attempts:1 timeout:1\n"
+
+
 class HostsFile:
     def __init__(self, path: str):
         self.path = path
+        self.resolv_conf = os.path.join(os.path.dirname(path), "resolv.conf")
+        with open(self.resolv_conf, "w") as fh:
+            fh.write(RESOLV_CONF)
         self.addresses: Dict[str, str] = {}
         self.hidden: Set[str] = set()
         self._lock = threading.Lock()

@@ -26,7 +26,9 @@ from .substrate import LineSink
 
 #: shared directory (the FileStore's place) size: small, so that "full" is quick to reach
 SHARED_MB = 64
-_ENTER = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+_ENTER = ('hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind "$3" /etc/resolv.conf && shift 3 '
+          '&& exec "$@"')
 
 
 def _read_lines(stream, host: str, name: str, on_line: LineSink) -> None:
@@ -70,7 +72,8 @@ class ProcessHost:
         if pre:  # through sudo: set the environment explicitly, run the job as the user again
             drop = ["setpriv", f"--reuid={os.getuid()}", f"--regid={os.getgid()}", "--init-groups", "--"]
         inner = ["ip", "netns", "exec", self.ns.netns, "unshare", "--uts", "--", "sh", "-c", _ENTER, "sh",
-                 self.name, str(self.hosts_file), *drop, *argv]
+                 self.name, str(self.hosts_file), os.path.join(os.path.dirname(str(self.hosts_file)), "resolv.conf"),
+                 *drop, *argv]
         if pre:
             return [*pre, "env", "-i", *[f"{k}={v}" for k, v in env.items()], *inner], None
         return inner, dict(env)
@@ -183,13 +186,17 @@ class ProcessSubstrate:
             for ability in ("network", "names", "netem"):
                 self.missing[ability] = f"loopback hosts share one network stack and name ({reason})"
         if self._tmpfs:
-            abilities.add("disk")
+            abilities |= {"disk", "readonly"}
         else:
-            self.missing["disk"] = f"the shared directory needs a tmpfs mount ({why})"
+            self.missing["disk"] = self.missing["readonly"] = f"the shared directory needs a tmpfs mount ({why})"
         self.abilities: FrozenSet[str] = frozenset(abilities)
 
     def interpreter(self) -> str:
         return sys.executable
+
+    def python_paths(self, host: str) -> List[str]:
+        """What leads every host's PYTHONPATH: the harness's sitecustomize."""
+        return [SITE_DIR]
 
     def make_hosts(self, names: List[str]) -> Dict[str, ProcessHost]:
         made = {}

@@ -14,7 +14,7 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Protocol,
 LineSink = Callable[[str, str, str], None]
 
 #: What a substrate can do; a schedule that needs more is refused before the job starts.
-ABILITIES = ("signals", "network", "netem", "names", "disk", "master")
+ABILITIES = ("signals", "network", "netem", "names", "disk", "readonly", "master")
 
 
 class Host(Protocol):
@@ -52,6 +52,10 @@ class Substrate(Protocol):
 
     def make_hosts(self, names: List[str]) -> Dict[str, Host]:
         """Hosts with these names (their addresses assigned), nothing started yet."""
+
+    def python_paths(self, host: str) -> List[str]:
+        """The paths that lead ``host``'s PYTHONPATH (the harness's sitecustomize, as the host
+        sees it; for the master, the harness's own distlib where the host has another)."""
 
     def interpreter(self) -> str:
         """The Python the hosts run (``sys.executable`` here, ``python3`` in an image)."""
