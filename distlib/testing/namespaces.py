@@ -10,11 +10,13 @@ a crashed harness (its pid gone) left them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import uuid
 import re
 import signal
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from . import privilege
 
@@ -69,6 +71,22 @@ class Fabric:
             remove_netns(host.netns)
         remove_netns(self.switch)
         self.hosts.clear()
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable() -> Optional[str]:
+    """None when this runner can make network namespaces, else the one line saying why not
+    (tried: being root is not enough in a container without CAP_SYS_ADMIN, e.g. GitLab's
+    Docker executor unless privileged)."""
+    why = privilege.why_not()
+    if why:
+        return why
+    probe = f"dlt-probe-{uuid.uuid4().hex[:8]}"
+    code, out = privilege.run(["ip", "netns", "add", probe], check=False)
+    privilege.run(["ip", "netns", "delete", probe], check=False)
+    if code != 0:
+        return f"`ip netns add` fails here: {out.strip().splitlines()[-1] if out.strip() else code}"
+    return None
 
 
 def netns_pids(netns: str) -> List[int]:

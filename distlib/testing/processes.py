@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from . import privilege
-from .namespaces import Fabric, NamespaceHost, netns_pids
+from .namespaces import Fabric, NamespaceHost, netns_pids, unavailable
 from .netfaults import HostLink, netem_missing
 from .substrate import LineSink
 
@@ -162,7 +162,7 @@ class ProcessSubstrate:
         self.shared = os.path.join(run_dir, "shared")
         self.missing: Dict[str, str] = {}
         self.hosts: Dict[str, ProcessHost] = {}
-        why = privilege.why_not()
+        why = unavailable()
         if namespaces and why:
             raise RuntimeError(f"the process substrate with namespaces needs root: {why}")
         self.namespaced = why is None if namespaces is None else bool(namespaces)
@@ -170,9 +170,12 @@ class ProcessSubstrate:
         os.makedirs(self.shared, exist_ok=True)
         self._tmpfs = False
         self._filler: Optional[str] = None
-        if why is None:
-            privilege.run(["mount", "-t", "tmpfs", "-o", f"size={SHARED_MB}m,mode=1777", "tmpfs", self.shared])
-            self._tmpfs = True
+        tmpfs_why = privilege.why_not()
+        if tmpfs_why is None:
+            code, out = privilege.run(["mount", "-t", "tmpfs", "-o", f"size={SHARED_MB}m,mode=1777", "tmpfs",
+                                       self.shared], check=False)
+            self._tmpfs = code == 0
+            tmpfs_why = None if code == 0 else f"mount -t tmpfs fails here: {out.strip()[-200:]}"
         abilities = {"signals", "master"}
         if self.namespaced:
             abilities |= {"network", "names"}
@@ -188,7 +191,7 @@ class ProcessSubstrate:
         if self._tmpfs:
             abilities |= {"disk", "readonly"}
         else:
-            self.missing["disk"] = self.missing["readonly"] = f"the shared directory needs a tmpfs mount ({why})"
+            self.missing["disk"] = self.missing["readonly"] = f"the shared directory needs a tmpfs mount ({tmpfs_why})"
         self.abilities: FrozenSet[str] = frozenset(abilities)
 
     def interpreter(self) -> str:

@@ -3,15 +3,15 @@ of its pytest plugin (registered by the package's entry point)."""
 
 import pytest
 
-from distlib.testing import privilege
+from distlib.testing import namespaces
 
 
 @pytest.fixture
 def needs_namespaces():
     """Skip where hosts cannot be namespaces (no root, no passwordless sudo)."""
-    why = privilege.why_not()
+    why = namespaces.unavailable()
     if why:
-        pytest.skip(f"hosts as namespaces need root: {why}")
+        pytest.skip(f"hosts as namespaces cannot be made here: {why}")
 
 
 @pytest.fixture
