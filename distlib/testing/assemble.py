@@ -18,10 +18,10 @@ def build_result(run: Any, started: float, ended: float) -> Result:
     hosts: Dict[str, HostRecord] = {}
     for name, host in run.hosts.items():
         status = host.poll()
-        rec = HostRecord(name, host.address)
+        host_rec = HostRecord(name, host.address)
         if status is not None:
-            rec.exit_code, rec.signal = (status, None) if status >= 0 else (128 - status, -status)
-        hosts[name] = rec
+            host_rec.exit_code, host_rec.signal = (status, None) if status >= 0 else (128 - status, -status)
+        hosts[name] = host_rec
     ranks: Dict[int, RankRecord] = {}
 
     def rank(r: int, node: str) -> RankRecord:
@@ -34,7 +34,8 @@ def build_result(run: Any, started: float, ended: float) -> Result:
     for e in events:
         if e.kind == "output":
             line = e.data["line"]
-            hosts[e.node].output.append(line) if e.node in hosts else None
+            if e.node in hosts:
+                hosts[e.node].output.append(line)
             m = PREFIXED.match(line)
             if m:
                 rank(int(m.group(1)), e.node).output.append(line[m.end():])
@@ -63,15 +64,15 @@ def build_result(run: Any, started: float, ended: float) -> Result:
                     rec.store_ops.append((e.t, e.data.get("op", "?"), tuple(e.data.get("keys", ()))))
     if one_rank_per_host:
         for rec in ranks.values():
-            host_rec = hosts.get(rec.host)
-            if host_rec is not None:
-                rec.output = list(host_rec.output)
-                rec.exit_code, rec.signal = host_rec.exit_code, host_rec.signal
-    for r, rec in ranks.items():
+            own = hosts.get(rec.host)
+            if own is not None:
+                rec.output = list(own.output)
+                rec.exit_code, rec.signal = own.exit_code, own.signal
+    for r, rank_rec in ranks.items():
         path = Path(run.dir, f"value-{r}.pkl")
         if path.exists():
             try:
-                rec.value = pickle.loads(path.read_bytes())
+                rank_rec.value = pickle.loads(path.read_bytes())
             except Exception as exc:  # noqa: BLE001 - a value that cannot be read back is said so
-                rec.value = f"<unreadable return value: {exc}>"
+                rank_rec.value = f"<unreadable return value: {exc}>"
     return Result(hosts, ranks, events, run.faults, started, ended, run.hang, os.path.abspath(run.dir))

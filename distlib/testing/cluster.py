@@ -76,12 +76,15 @@ class Cluster:
                                       f"not here: {self.substrate.missing.get(need, 'not offered')}")
 
     def run(self, job: Job, schedule: Union[Schedule, Iterable[StepLike], None] = None,
-            deadline: float = DEFAULT_DEADLINE_S) -> Result:
+            deadline: float = DEFAULT_DEADLINE_S, held: Sequence[Union[int, str]] = ()) -> Result:
+        """Run ``job`` on every node (but the ``held`` ones, which a ``StartNode`` step starts
+        later) under ``schedule``, for at most ``deadline`` seconds."""
         plan = self.replay if self.replay is not None else Schedule.of(schedule)
         self.check(plan)
         self.schedules.append(plan)
         self._runs += 1
-        run = _Run(self, job, plan, deadline, os.path.join(self.run_dir, f"run-{self._runs}"))
+        run = _Run(self, job, plan, deadline, os.path.join(self.run_dir, f"run-{self._runs}"),
+                   [host_name(h) for h in held])
         result = run.execute()
         self.results.append(result)
         if run.fault_errors:
@@ -102,7 +105,13 @@ class Cluster:
 class _Run:
     """One run of a job: hosts started, schedule followed, deadline kept, everything ended."""
 
-    def __init__(self, cluster: Cluster, job: Job, schedule: Schedule, deadline: float, run_dir: str):
+    def __init__(self, cluster: Cluster, job: Job, schedule: Schedule, deadline: float, run_dir: str,
+                 held: List[str]):
+        unknown = [h for h in held if h not in cluster.names]
+        if unknown:
+            raise ValueError(f"held hosts {unknown} are not nodes of this cluster ({', '.join(cluster.names)})")
+        self.held = held
+        self.started_once: set = set()
         self.cluster = cluster
         self.job = job
         self.schedule = schedule
@@ -123,7 +132,10 @@ class _Run:
             raise ValueError(f"{too_long}: use a shorter run directory")
         self.master_port = MASTER_PORT if "network" in cluster.substrate.abilities else 0
         self._master_argv: List[str] = []
+        self._node_argv: List[str] = []
+        self._master_addr = ""
         self._armed = 0
+        self._schedule_done = not schedule.steps
 
     # --- the ranks' gates ------------------------------------------------------------------------
 
@@ -197,11 +209,11 @@ class _Run:
             if self.job.launcher:
                 argv = [a.replace(f"master:{MASTER_PORT}", f"{master_addr}:{self.master_port}") for a in argv]
             self._armed = self._leading_steps()
+            self._node_argv, self._master_addr = argv, master_addr
             scheduler.start()
-            for index, name in enumerate(self.cluster.names):
-                env = {**self._base_env(), **self.job.host_env(index, self.cluster.nodes, master_addr,
-                                                                 self.master_port), **self._environment(name)}
-                self.hosts[name].start(argv, env, self.cluster.project_dir, self.on_line)
+            for name in self.cluster.names:
+                if name not in self.held:
+                    self.start_node(name)
             self._wait(started)
         finally:
             self._stop.set()
@@ -217,14 +229,33 @@ class _Run:
             channel.close()
         return build_result(self, started, time.time())
 
+    def start_node(self, name: str) -> str:
+        index = self.cluster.names.index(name)
+        env = {**self._base_env(), **self.job.host_env(index, self.cluster.nodes, self._master_addr, self.master_port),
+               **self._environment(name)}
+        again = name in self.started_once
+        if again:
+            host = self.hosts[name]
+            limit = time.monotonic() + 10
+            while host.poll() is None and time.monotonic() < limit:
+                time.sleep(0.01)
+            if host.poll() is None:
+                raise RuntimeError(f"{name} is still running: kill it before starting it again")
+        self.started_once.add(name)
+        self.hosts[name].start(self._node_argv, env, self.cluster.project_dir, self.on_line)
+        return f"{'restarted' if again else 'started'} {name}"
+
     def _wait(self, started: float) -> None:
         limit = started + self.deadline
-        nodes = [self.hosts[n] for n in self.cluster.names]
-        while any(h.poll() is None for h in nodes):
+        while any(self.hosts[n].poll() is None for n in list(self.started_once)) or self._pending_starts():
             if time.time() >= limit:
                 self.hang = hang_report(self, self.deadline)
                 return
             time.sleep(0.05)
+
+    def _pending_starts(self) -> bool:
+        """A held host not started yet while a StartNode step for it is still to come."""
+        return any(h not in self.started_once for h in self.held) and not self._schedule_done
 
     # --- the schedule ----------------------------------------------------------------------------
 
@@ -242,7 +273,10 @@ class _Run:
     def _follow_schedule(self) -> None:
         steps = self.schedule.steps
         armed, armed_at, seen = self._armed, time.time(), 0
+        cue = steps[armed].cue.armed() if armed < len(steps) else None
         while not self._stop.is_set():
+            if armed >= len(steps):
+                self._schedule_done = True
             step = steps[armed] if armed < len(steps) else None
             delay = step.cue.delay if step is not None else None
             if delay is not None:
@@ -250,16 +284,17 @@ class _Run:
                 if left <= 0:
                     self._fire(armed, None)
                     armed, armed_at = armed + 1, time.time()
+                    cue = steps[armed].cue.armed() if armed < len(steps) else None
                     continue
                 wait = min(left, 0.2)
             else:
                 wait = 0.2
             new = self.events.wait_new(seen, wait)
             for offset, event in enumerate(new):
-                step = steps[armed] if armed < len(steps) else None
-                if step is not None and step.cue.delay is None and step.cue.matches(event):
+                if cue is not None and cue.delay is None and cue.matches(event):
                     self._fire(armed, event)
                     armed, armed_at = armed + 1, time.time()
+                    cue = steps[armed].cue.armed() if armed < len(steps) else None
                 self.events.mark_seen(seen + offset + 1)
             seen += len(new)
             if self.events.closed and not new:
@@ -274,7 +309,7 @@ class _Run:
             did = f"FAILED: {type(exc).__name__}: {exc}"
             self.fault_errors.append(f"step {index + 1} ({step.fault}): {exc}")
         done = time.time()
-        collectives = {}
+        collectives: Dict[int, int] = {}
         for e in self.events.select("collective"):
             collectives[e.rank] = max(collectives.get(e.rank, 0), e.data["n"])
         record = {"step": index + 1, "cue": str(step.cue), "fault": str(step.fault), "kind": step.fault.name,
@@ -309,6 +344,10 @@ class _Target:
 
     def kill_node(self, node: str) -> str:
         return self._host(node).kill()
+
+    def start_node(self, node: str) -> str:
+        self._host(node)
+        return self.run.start_node(node)
 
     def pause_node(self, node: str) -> str:
         return self._host(node).pause()

@@ -49,7 +49,7 @@ def connect(timeout: float = API_TIMEOUT_S) -> Any:
         raise DockerUnavailable(f"the docker SDK is not installed ({exc}): pip install 'distlib-c10d[testing]'") \
             from None
     try:
-        client = docker.from_env(timeout=timeout)
+        client = docker.from_env(timeout=timeout)  # type: ignore[attr-defined]
         client.ping()
     except Exception as exc:  # noqa: BLE001 - DockerException, connection refused, permission denied
         where = os.environ.get("DOCKER_HOST") or "the default socket"
@@ -253,6 +253,7 @@ class ContainerSubstrate:
         self.volume = self.client.volumes.create(
             name=f"{self.prefix}-shared", driver="local", labels=_labels(),
             driver_opts={"type": "tmpfs", "device": "tmpfs", "o": f"size={SHARED_MB}m,mode=1777"}).name
+        self.keeper = self._start_keeper()
         self.missing: Dict[str, str] = {}
         abilities = {"signals", "master", "names", "disk"}
         why = self._why_no_host_side()
@@ -267,6 +268,21 @@ class ContainerSubstrate:
                 self.missing["netem"] = netem
         self.abilities: FrozenSet[str] = frozenset(abilities)
 
+    def _start_keeper(self) -> str:
+        """A container that only sleeps with the shared volume mounted, for the cluster's life:
+        the engine unmounts a tmpfs volume (and loses its files) when no container uses it, and
+        a stale FileStore left by one run must still be there for the next; disk faults act
+        through it, whichever hosts are down."""
+        from docker.types import Mount
+
+        api = self.client.api
+        created = api.create_container(
+            self.image, command=["sleep", "infinity"], name=f"{self.prefix}-volume", labels=_labels(), user="root",
+            host_config=api.create_host_config(mounts=[Mount(self.shared, self.volume, type="volume")], init=True,
+                                               network_mode="none"))
+        api.start(created["Id"])
+        return created["Id"]
+
     def _make_network(self) -> Tuple[str, ipaddress.IPv4Network]:
         """An internal network with a subnet of its own (fixed addresses need one); another
         subnet is drawn when the engine says one overlaps."""
@@ -275,12 +291,12 @@ class ContainerSubstrate:
         rng = random.Random()
         last = ""
         for _ in range(20):
-            subnet = ipaddress.ip_network(f"10.{rng.randint(128, 254)}.{rng.randint(0, 255)}.0/24")
+            subnet = ipaddress.IPv4Network(f"10.{rng.randint(128, 254)}.{rng.randint(0, 255)}.0/24")
             try:
                 net = self.client.networks.create(
                     f"{self.prefix}-net", driver="bridge", internal=True, labels=_labels(),
                     ipam=IPAMConfig(pool_configs=[IPAMPool(subnet=str(subnet), gateway=str(subnet[1]))]))
-                return net.name, subnet
+                return str(net.name), subnet
             except Exception as exc:  # noqa: BLE001 - "Pool overlaps with other one on this address space"
                 last = str(exc)
                 if "overlap" not in last.lower():
@@ -320,16 +336,13 @@ class ContainerSubstrate:
 
     def disk(self, state: str) -> str:
         """"full": a filler file up to ENOSPC, written by ``docker exec`` (as root, no capability)
-        in a running host; "readonly": the volume's tmpfs remounted read-only from the engine's
-        host, in that container's mount namespace (every container shares the superblock)."""
-        running = [h for h in self.hosts.values() if h.container is not None and h.poll() is None]
-        if not running:
-            raise RuntimeError("no host is running to reach the shared volume from")
-        host = running[0]
+        in the volume's keeper; "readonly": the volume's tmpfs remounted read-only from the
+        engine's host, in the keeper's mount namespace (every container shares the superblock)."""
+        pid = int(self.client.api.inspect_container(self.keeper)["State"]["Pid"])
         filler = os.path.join(self.shared, ".distlib-testing-filler")
 
         def remount(mode: str) -> None:
-            privilege.run(["nsenter", "-t", str(host.host_pid()), "-m", "mount", "-o", f"remount,{mode}", self.shared])
+            privilege.run(["nsenter", "-t", str(pid), "-m", "mount", "-o", f"remount,{mode}", self.shared])
 
         if state == "readonly":
             remount("ro")
@@ -338,7 +351,7 @@ class ContainerSubstrate:
             remount("rw")
         script = f'cat /dev/zero > "{filler}" 2>/dev/null; true' if state == "full" else f'rm -f "{filler}"'
         api = self.client.api
-        exec_id = api.exec_create(host.container, ["sh", "-c", script], user="root")
+        exec_id = api.exec_create(self.keeper, ["sh", "-c", script], user="root")
         out = api.exec_start(exec_id)
         code = api.exec_inspect(exec_id).get("ExitCode")
         if code != 0:
@@ -349,6 +362,8 @@ class ContainerSubstrate:
     def close(self) -> None:
         for host in self.hosts.values():
             host.release()
+        with contextlib.suppress(Exception):
+            self.client.api.remove_container(self.keeper, force=True)
         with contextlib.suppress(Exception):
             self.client.networks.get(self.network).remove()
         with contextlib.suppress(Exception):

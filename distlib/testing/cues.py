@@ -34,6 +34,10 @@ class Cue:
         """The collective number at which the process that said ``hello`` must be held, if any."""
         return None
 
+    def armed(self) -> "Cue":
+        """The cue as the schedule arms it (a fresh copy for cues with a state, like AllOf)."""
+        return self
+
     def to_json(self) -> Dict[str, Any]:
         return {"cue": self.name, **{k: v for k, v in asdict(self).items() if v is not None}}  # type: ignore[call-overload]
 
@@ -137,12 +141,49 @@ class After(Cue):
         return f"{self.seconds:g} s later"
 
 
+class AllOf(Cue):
+    """Every one of ``cues`` has happened (in any order) since the step was armed: "each of the
+    three nodes printed 'waiting'". Delays (After) cannot be part of it."""
+
+    name: ClassVar[str] = "all"
+
+    def __init__(self, *cues: Cue):
+        if not cues or any(c.delay is not None for c in cues):
+            raise ValueError("AllOf needs one or more event cues (no After)")
+        self.cues = tuple(cues)
+        self._left = list(cues)
+
+    def armed(self) -> "AllOf":
+        return AllOf(*self.cues)
+
+    def matches(self, event: Event) -> bool:
+        self._left = [c for c in self._left if not c.matches(event)]
+        return not self._left
+
+    def gate(self, hello: Event) -> Optional[int]:
+        return None  # a collective inside AllOf is not held: which one completes it is not known ahead
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"cue": self.name, "of": [c.to_json() for c in self.cues]}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AllOf) and other.cues == self.cues
+
+    def __hash__(self) -> int:
+        return hash(self.cues)
+
+    def __str__(self) -> str:
+        return "all of: " + "; ".join(str(c) for c in self.cues)
+
+
 CUES: Dict[str, Type[Cue]] = {c.name: c for c in (Collective, StoreOp, Output, Started, After)}
 
 
 def from_json(data: Dict[str, Any]) -> Cue:
     fields = dict(data)
     kind = fields.pop("cue", None)
+    if kind == AllOf.name:
+        return AllOf(*[from_json(c) for c in fields.get("of", ())])
     if kind not in CUES:
         raise ValueError(f"unknown cue {kind!r} in {data} (known: {', '.join(sorted(CUES))})")
     return CUES[kind](**fields)

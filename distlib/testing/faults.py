@@ -9,7 +9,7 @@ that a schedule the substrate cannot carry out is refused before the job starts.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple, Type, Union
+from typing import Any, ClassVar, Dict, FrozenSet, List, Protocol, Sequence, Tuple, Type, Union
 
 Host = Union[int, str]
 
@@ -26,6 +26,7 @@ class FaultTarget(Protocol):
 
     def kill_rank(self, rank: int) -> str: ...
     def kill_node(self, node: str) -> str: ...
+    def start_node(self, node: str) -> str: ...
     def pause_node(self, node: str) -> str: ...
     def resume_node(self, node: str) -> str: ...
     def partition(self, groups: List[List[str]]) -> str: ...
@@ -82,6 +83,23 @@ class KillNode(Fault):
 
     def __str__(self) -> str:
         return f"kill {host_name(self.node)}"
+
+
+@dataclass(frozen=True)
+class StartNode(Fault):
+    """Start a host's command again after a kill (the machine back from a power cut), or for
+    the first time when the run was told to hold it back (``Cluster.run(..., held=[...])``: a
+    node that joins late)."""
+
+    node: Host
+    name: ClassVar[str] = "start_node"
+    needs: ClassVar[FrozenSet[str]] = frozenset({"signals"})
+
+    def apply(self, target: FaultTarget) -> str:
+        return target.start_node(host_name(self.node))
+
+    def __str__(self) -> str:
+        return f"start {host_name(self.node)}"
 
 
 @dataclass(frozen=True)
@@ -288,7 +306,7 @@ class RestartMaster(Fault):
 
 
 FAULTS: Dict[str, Type[Fault]] = {f.name: f for f in (
-    Kill, KillNode, Pause, Resume, Partition, Heal, DegradeLink, RestoreLink, Unresolvable, Resolvable, Disk,
+    Kill, KillNode, StartNode, Pause, Resume, Partition, Heal, DegradeLink, RestoreLink, Unresolvable, Resolvable, Disk,
     KillMaster, StartMaster, RestartMaster)}
 
 

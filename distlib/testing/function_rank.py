@@ -8,6 +8,7 @@ import os
 import pickle
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def main(argv: list) -> int:
@@ -15,7 +16,7 @@ def main(argv: list) -> int:
         print("usage: python -m distlib.testing.function_rank module:qualname", file=sys.stderr)
         return 2
     module_name, qualname = argv[0].split(":", 1)
-    target = importlib.import_module(module_name)
+    target: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         target = getattr(target, part)
     run_dir = os.environ["DISTLIB_TESTING_RUN_DIR"]

@@ -30,10 +30,12 @@ class Job:
     nnodes: Optional[str] = None           # launched jobs: "3" or "2:3"
     max_restarts: int = 0
     rdzv_conf: Optional[str] = None
+    rdzv_endpoint: Optional[str] = None    # default: the master service
+    launcher_args: Sequence[str] = ()     # more flags for the launcher (e.g. --rdzv-timeout 60)
     run_id: str = "job"
     fake_gpus: int = 0
     python: Optional[str] = None           # the interpreter on the hosts (default: the substrate's)
-    function: Optional[Callable[..., Any]] = None
+    fn: Optional[Callable[..., Any]] = None    # Job.function's function
     function_args: Sequence[Any] = ()
 
     # --- constructors -------------------------------------------------------------------------
@@ -58,19 +60,23 @@ class Job:
             raise ValueError(f"Job.function needs a module-level function (imported by name on each rank), "
                              f"not {fn!r}")
         return cls(["-m", "distlib.testing.function_rank", f"{module}:{qualname}"], dict(env or {}),
-                   function=fn, function_args=tuple(args), **options)
+                   fn=fn, function_args=tuple(args), **options)
 
     @classmethod
     def launch(cls, program: Sequence[str], *, nnodes: Optional[str] = None, nproc_per_node: int = 1,
-               max_restarts: int = 0, rdzv_conf: Optional[str] = None, launcher: str = "distlib-run",
+               max_restarts: int = 0, rdzv_conf: Optional[str] = None, rdzv_endpoint: Optional[str] = None,
+               launcher: str = "distlib-run", launcher_args: Sequence[str] = (),
                env: Optional[Dict[str, str]] = None, **options: Any) -> "Job":
         """``distlib-run`` (or ``launcher="torchrun"``) on every host, with the c10d rendezvous
         at the master service: ``program`` is what follows the launcher's flags (a script and
-        its arguments, or ``["-m", module, ...]``). ``nnodes="2:3"`` makes it elastic."""
+        its arguments, or ``["-m", module, ...]``). ``nnodes="2:3"`` makes it elastic;
+        ``rdzv_endpoint`` replaces the master service (e.g. ``file://<shared>/rdzv``: the rounds
+        on a FileStore); ``launcher_args`` are further launcher flags."""
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, not {launcher!r}")
         return cls([*map(str, program)], dict(env or {}), launcher=launcher, nnodes=nnodes,
-                   nproc_per_node=nproc_per_node, max_restarts=max_restarts, rdzv_conf=rdzv_conf, **options)
+                   nproc_per_node=nproc_per_node, max_restarts=max_restarts, rdzv_conf=rdzv_conf,
+                   rdzv_endpoint=rdzv_endpoint, launcher_args=tuple(map(str, launcher_args)), **options)
 
     # --- what each host runs ------------------------------------------------------------------
 
@@ -81,10 +87,11 @@ class Job:
         if self.launcher is None:
             return [python, "-u", *self.program]
         flags = ["--nnodes", self.nnodes or str(hosts), "--nproc-per-node", str(self.nproc_per_node),
-                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"master:{MASTER_PORT}", "--run-id", self.run_id,
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint or f"master:{MASTER_PORT}", "--run-id", self.run_id,
                  "--max-restarts", str(self.max_restarts), "--log-line-prefix-template", "[rank${rank}]: "]
         if self.rdzv_conf:
             flags += ["--rdzv-conf", self.rdzv_conf]
+        flags += list(self.launcher_args)
         return [python, "-u", *LAUNCHERS[self.launcher], *flags, *self.program]
 
     def host_env(self, index: int, hosts: int, master_addr: str, master_port: int) -> Dict[str, str]:
@@ -100,7 +107,7 @@ class Job:
 
     def write_inputs(self, run_dir: str) -> None:
         """A function job's arguments, for the ranks to read."""
-        if self.function is not None:
+        if self.fn is not None:
             Path(run_dir, "function-args.pkl").write_bytes(pickle.dumps(tuple(self.function_args)))
 
     def describe(self) -> str:

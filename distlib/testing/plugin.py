@@ -190,8 +190,8 @@ def _shrink(item: pytest.Item, schedule: Schedule, original: BaseException) -> S
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
-    report = yield
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[Any]:
+    report: pytest.TestReport = yield
     if call.when == "call" and report.failed:
         ran = [s for c in item.stash.get(CLUSTERS, []) for s in c.schedules if len(s)]
         if ran:

@@ -146,8 +146,9 @@ class ProcessHost:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(10)
             for stream in (self.proc.stdout, self.proc.stderr):
-                with contextlib.suppress(OSError):
-                    stream.close()
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
 
 
 class ProcessSubstrate:
