@@ -1,4 +1,4 @@
-"""The fake's ``cupy.cuda.nccl``: module functions and ``NcclCommunicator`` (see fake_cuda.py
+"""The fake's ``cupy.cuda.nccl``: module functions and ``NcclCommunicator`` (see cuda.py
 for what is modelled and why). Ranks are processes; a communicator's operations meet through
 files in the fake's shared directory: ``<dir>/comm-<id>/c<seq>.<rank>`` holds rank's part of
 collective #seq, ``p<src>-<dst>.<n>`` the n-th message from src to dst, ``aborted.<rank>``
@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 available = True
-_cuda = None  # fake_cuda, bound at its import
+_cuda = None  # the fake device (cuda.py), bound at its import
 
 _DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16,
            7: np.float32, 8: np.float64}

@@ -1,6 +1,7 @@
-"""A fake GPU for the CPU suite: the part of cupy and of cupy's NCCL bindings that the nccl
-backend calls, run by a thread, so that time, failure and teardown can be tested without a
-device. Installed through ``distlib.backends.cupy_env.install``; nothing else changes.
+"""A fake GPU: the part of cupy and of cupy's NCCL bindings that the nccl backend calls, run by
+a thread, so that time, failure and teardown can be tested without a device, and a user's
+``backend="nccl"`` job runs on CPU with correct numbers (distlib.testing: ``fake_gpus=N``).
+Installed through ``distlib.backends.cupy_env.install``; nothing else changes.
 
 What it models, and why (each is something the real-GPU runs of issue 25 tripped over):
 
@@ -318,6 +319,6 @@ cuda = types.SimpleNamespace(Device=Device, Event=Event, Stream=Stream, get_curr
                              runtime=runtime)
 cupy = types.SimpleNamespace(__name__="cupy", __version__="14.2.0+fake", cuda=cuda, ndarray=ndarray, empty=empty,
                              zeros=zeros, ones=ones, asarray=asarray)
-from . import fake_nccl as nccl  # noqa: E402 - the communicator needs the device above
+from . import nccl  # noqa: E402 - the communicator needs the device above
 
 nccl.bind(sys.modules[__name__])
