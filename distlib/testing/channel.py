@@ -29,10 +29,13 @@ class Channel:
 
     ``gates_for(hello)`` gives the collective numbers at which that process must wait; a held
     process is answered once the schedule has looked at its event (``EventLog.wait_seen``).
+    ``adjust`` may rewrite each event first (the cluster names a store operation's host).
     """
 
-    def __init__(self, path: str, log_: EventLog, gates_for: Callable[[Event], List[int]]):
+    def __init__(self, path: str, log_: EventLog, gates_for: Callable[[Event], List[int]],
+                 adjust: Optional[Callable[[Event], Event]] = None):
         self.path = path
+        self.adjust = adjust
         self.log = log_
         self.gates_for = gates_for
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -67,6 +70,8 @@ class Channel:
                     continue
                 event = Event(str(msg.pop("kind", "?")), str(msg.pop("node", "?")), float(msg.pop("t", 0.0)),
                               int(msg.pop("rank", -1)), int(msg.pop("pid", 0)), msg)
+                if self.adjust is not None:
+                    event = self.adjust(event)
                 index = self.log.append(event)
                 if event.kind == "hello":
                     conn.sendall(json.dumps({"gates": self.gates_for(event)}).encode() + b"\n")

@@ -9,6 +9,7 @@ schedule's thread, the deadline and its report, the cleanup, and the records. Th
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import logging
 import os
 import pickle
@@ -143,6 +144,16 @@ class _Run:
         gates = {g for step in self.schedule.steps if (g := step.cue.gate(hello)) is not None}
         return sorted(gates)
 
+    def name_peer(self, event: Event) -> Event:
+        """A store operation happened on the host whose address sent it (the master reports
+        the peer's address); kept as the master's where no host has that address (loopback
+        hosts share one)."""
+        if event.kind != "store":
+            return event
+        address = str(event.data.get("peer", "")).rsplit(":", 1)[0].strip("[]")
+        names = [n for n, h in self.hosts.items() if h.address == address]
+        return replace(event, node=names[0]) if len(names) == 1 else event
+
     # --- start -----------------------------------------------------------------------------------
 
     def _environment(self, host: str) -> Dict[str, str]:
@@ -194,7 +205,7 @@ class _Run:
     def execute(self) -> Result:
         started = time.time()
         substrate = self.cluster.substrate
-        channel = Channel(self.socket_path, self.events, self.gates_for)
+        channel = Channel(self.socket_path, self.events, self.gates_for, self.name_peer)
         scheduler = threading.Thread(target=self._follow_schedule, name="distlib-testing-schedule", daemon=True)
         try:
             self.job.write_inputs(self.dir)

@@ -2,7 +2,9 @@
 
 distlib's TCP store server, as ``distlib store-server`` runs it, that also tells the harness
 over its socket when it is listening (so the ranks start only then, and a restart is known to
-be complete) and, through the server's observer, every operation it receives: (peer, op, keys).
+be complete) and, through the server's observer (distlib/store/tcp/observe.py), every operation
+it receives: (peer, op, keys), keys as on the wire (a TCPStore client, torch's too, puts "/" in
+front). The observer turns the server's batch path off: every request is heard.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from distlib.store.tcp.server import StoreServer
 
     reporter = Reporter(args.socket, args.node)
-    server = StoreServer(args.host, args.port, log_connections=True)
+
+    def observe(peer: str, op: str, keys: tuple) -> None:
+        reporter.send("store", peer=peer, op=op, keys=[k.decode("utf-8", "backslashreplace") for k in keys])
+
+    server = StoreServer(args.host, args.port, log_connections=True, observer=observe)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     reporter.send("ready", port=server.port)
     server.serve_forever()

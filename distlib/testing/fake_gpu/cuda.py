@@ -40,7 +40,7 @@ import threading
 import time
 import types
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -106,7 +106,7 @@ _device = _Device()
 def hold() -> threading.Event:
     """Stop the device until the returned event is set (everything enqueued meanwhile waits)."""
     release = threading.Event()
-    _device.put(lambda: release.wait(300))
+    _device.put(lambda: None if release.wait(300) else None)
     return release
 
 
@@ -138,6 +138,7 @@ _current = threading.local()
 
 
 class Stream:
+    null: "Stream"  # the default stream (set below)
     def __init__(self, null: bool = False, non_blocking: bool = False, ptr: Optional[int] = None):
         self.ptr = 0 if null else next(_stream_ids)
 
@@ -191,7 +192,7 @@ class Device:
 
 # -- memory: arrays the device can find by address ----------------------------------------------
 
-_allocations: Dict[int, "weakref.ref"] = {}
+_allocations: Dict[int, Tuple["weakref.ref[np.ndarray]", int]] = {}
 
 
 def _register(base: np.ndarray) -> None:

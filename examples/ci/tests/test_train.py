@@ -40,6 +40,30 @@ def test_a_partition_ends_in_a_timeout_that_names_the_silent_rank(distlib_cluste
     assert "timed out after 5.0s" in result.ranks[0].exception_text
 
 
+def test_a_master_restarted_while_ranks_wait_in_init_fails_them_naming_it(distlib_cluster):
+    """A static job: node2 is held back, so ranks 0 and 1 wait in init for it; the master
+    restarts (empty) once the master service has seen both wait on the join keys."""
+    cluster = distlib_cluster(nodes=3)
+    both_wait = cues.AllOf(cues.StoreOp("*join*", op="wait", node="node0"), cues.StoreOp("*join*", op="wait", node="node1"))
+    result = cluster.run(train("--steps", "20", "--timeout", "60"), [(both_wait, faults.RestartMaster())],
+                         held=[2], deadline=180)
+    result.assert_survivors_raised(("DistStoreError", "DistNetworkError"), naming="master:29500", victims=[2])
+
+
+def test_an_elastic_job_whose_master_restarts_empty_stops_every_node_naming_it(distlib_cluster):
+    """distlib-run --nnodes 2:3: the rounds live on the master service; one that comes back
+    without them is named, and every node stops (a master service must outlive the job)."""
+    cluster = distlib_cluster(nodes=3)
+    job = Job.launch(["train.py", "--steps", "100000", "--timeout", "20"], nnodes="2:3", max_restarts=3,
+                     rdzv_conf="keep_alive_interval=1,keep_alive_max_attempt=4,last_call_timeout=2")
+    result = cluster.run(job, [(cues.Collective(rank=0, n=50), faults.RestartMaster())], deadline=180)
+    result.assert_no_hang()
+    for name in ("node0", "node1", "node2"):
+        host = result.hosts[name]
+        assert host.exit_code == 1, host.tail()
+        assert any("no longer holds run 'job'" in line for line in host.output), host.tail()
+
+
 def test_init_waits_for_a_master_whose_name_resolves_late(distlib_cluster):
     cluster = distlib_cluster(nodes=3)
     result = cluster.run(train("--steps", "20"), [(cues.After(0), faults.Unresolvable("master")),
