@@ -31,3 +31,15 @@ def test_a_torch_job_whose_node_is_killed_fails_on_every_survivor_naming_its_add
         rec = result.ranks[r]
         assert rec.exception_type is not None, rec.summary()
         assert victim in rec.exception_text or "rank 2" in rec.exception_text, rec.summary()
+
+
+def test_a_torch_job_is_broken_on_a_store_cue_its_ranks_give_the_master(distlib_cluster):
+    """The master service hears torch's TCPStore clients too: node2 held back, the master is
+    killed once ranks 0 and 1 wait on its keys; both fail with torch's lost-server error."""
+    cluster = distlib_cluster(nodes=3)
+    both_wait = cues.AllOf(cues.StoreOp("/default_pg/*", op="wait", node="node0"),
+                           cues.StoreOp("/default_pg/*", op="wait", node="node1"))
+    result = cluster.run(Job.script(JOB, env={"STEPS": "10", "GROUP_TIMEOUT": "60"}),
+                         [(both_wait, faults.KillMaster())], held=[2], deadline=120)
+    result.assert_survivors_raised("DistNetworkError", naming="remote server shutdown or crash", victims=[2])
+    assert result.ranks[0].store_ops and result.ranks[0].store_ops[-1][1] in ("wait", "get"), result.ranks[0].store_ops
