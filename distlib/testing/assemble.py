@@ -29,7 +29,6 @@ def build_result(run: Any, started: float, ended: float) -> Result:
             ranks[r] = RankRecord(r, node)
         return ranks[r]
 
-    address_host = {h.address: n for n, h in run.hosts.items()}
     one_rank_per_host = run.job.launcher is None
     for e in events:
         if e.kind == "output":
@@ -56,11 +55,10 @@ def build_result(run: Any, started: float, ended: float) -> Result:
             rec.exception_type, rec.exception_text, rec.exception_time = e.data["type"], e.data["text"], e.t
         elif e.kind == "exit":
             rec.exited_cleanly = rec.exception_type is None
-    for e in events:  # store operations: by the peer's host (one rank per host: that rank)
+    for e in events:  # store operations: by the host the cluster named for them (its rank's)
         if e.kind == "store":
-            host = address_host.get(str(e.data.get("peer", "")).rsplit(":", 1)[0].strip("[]"))
             for rec in ranks.values():
-                if rec.host == host:
+                if rec.host == e.node and (e.rank < 0 or e.rank == rec.rank):
                     rec.store_ops.append((e.t, e.data.get("op", "?"), tuple(e.data.get("keys", ()))))
     if one_rank_per_host:
         for rec in ranks.values():

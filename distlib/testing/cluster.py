@@ -9,10 +9,12 @@ schedule's thread, the deadline and its report, the cleanup, and the records. Th
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 import logging
 import os
 import pickle
+import re
 import signal
 import sys
 import tempfile
@@ -146,11 +148,17 @@ class _Run:
 
     def name_peer(self, event: Event) -> Event:
         """A store operation happened on the host whose address sent it (the master reports
-        the peer's address); kept as the master's where no host has that address (loopback
-        hosts share one)."""
+        the peer's address); a same-host client (loopback hosts) comes through the server's
+        UNIX socket, ``unix (pid N)``: the host of the process that said hello with that pid."""
         if event.kind != "store":
             return event
-        address = str(event.data.get("peer", "")).rsplit(":", 1)[0].strip("[]")
+        peer = str(event.data.get("peer", ""))
+        unix = re.search(r"unix \(pid (\d+)\)", peer)
+        if unix:
+            pid = int(unix.group(1))
+            hellos = [e for e in self.events.select("hello") if e.pid == pid and e.node in self.hosts]
+            return replace(event, node=hellos[-1].node, rank=hellos[-1].rank) if hellos else event
+        address = peer.rsplit(":", 1)[0].strip("[]")
         names = [n for n, h in self.hosts.items() if h.address == address]
         return replace(event, node=names[0]) if len(names) == 1 else event
 
@@ -222,9 +230,10 @@ class _Run:
             self._armed = self._leading_steps()
             self._node_argv, self._master_addr = argv, master_addr
             scheduler.start()
-            for name in self.cluster.names:
-                if name not in self.held:
-                    self.start_node(name)
+            # side by side: a container's create and start are engine calls of ~0.3 s each
+            with ThreadPoolExecutor(max_workers=8, thread_name_prefix="distlib-testing-start") as pool:
+                for future in [pool.submit(self.start_node, n) for n in self.cluster.names if n not in self.held]:
+                    future.result()
             self._wait(started)
         finally:
             self._stop.set()

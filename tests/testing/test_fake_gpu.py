@@ -24,7 +24,7 @@ def test_an_nccl_job_whose_rank_is_killed_at_a_collective_fails_on_the_survivors
     """Stream-ordered, as on a GPU: the survivors' collective #5 times out on the device and
     the communicator is aborted; the next call raises, naming the rank that never reached #5
     (NO_CHECK: the job does not look at #5's result, which the abort left unwritten)."""
-    job = Job.script(JOB, env={"STEPS": "100000", "GROUP_TIMEOUT": "10", "NO_CHECK": "1"}, fake_gpus=1)
+    job = Job.script(JOB, env={"STEPS": "100000", "GROUP_TIMEOUT": "5", "NO_CHECK": "1"}, fake_gpus=1)
     result = hosts(nodes=3).run(job, [(cues.Collective(1, 5), faults.KillNode(1))], deadline=180)
     assert result.ranks[1].last_collective == (5, "all_reduce"), result.report()
     result.assert_survivors_raised("DistBackendError", naming="had not reached #5: rank 1 on node1", victims=[1])
