@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 # it (torch's interop environment, the GPU machine's plain copy).
 SRC_PATH := $(CURDIR):$(CURDIR)/deploy:$(CURDIR)/bench
 
-.PHONY: help venv host-tools test test-unit test-interop test-gpu demo image image-gpu cluster-up cluster-down cluster-logs cluster-kill \
+.PHONY: help venv host-tools test test-unit test-examples test-interop test-gpu demo image image-gpu cluster-up cluster-down cluster-logs cluster-kill \
         helm-lint helm-test kube-build bench-store bench-collectives clean
 
 help:
@@ -22,6 +22,7 @@ help:
 	@echo "                   MIN_NODES=2 MAX_RESTARTS=3: elastic, a lost node leaves a smaller job)"
 	@echo "make cluster-kill NODE=2   kill worker-2 of the running cluster (SIGKILL): a lost node"
 	@echo "make test          create .venv, install distlib with its test extras (and shellcheck when missing), run the whole suite"
+	@echo "make test-examples the user's example project (examples/ci, distlib.testing) from a copy outside the tree, against a wheel of it"
 	@echo "make test-interop  install torch 2.13 once into $(INTEROP_VENV) and run the torch interoperability tests"
 	@echo "make test-gpu      on a GPU machine (cupy, NCCL, pytest; torch to compare): the GPU tests and benchmark, <= 5 min"
 	@echo "make demo          a TCP master service and 4 local processes, no Docker needed"
@@ -34,7 +35,7 @@ help:
 $(VENV)/.installed: pyproject.toml deploy/pyproject.toml bench/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test,mpi]' -e './deploy[cluster]' -e ./bench
+	$(VENV)/bin/pip install --quiet -e '.[test,testing,mpi]' -e './deploy[cluster]' -e ./bench
 	touch $@
 
 venv: $(VENV)/.installed
@@ -61,6 +62,27 @@ test: venv host-tools kube-build
 # checks this line); the torch and GPU lanes skip by themselves.
 test-unit: venv
 	$(PY) -m pytest -m "not containers and not vms and not kube and not slurm" $(PYTEST_ARGS)
+
+# The users' example project (examples/ci: their CI tests with distlib.testing), run the way a
+# user runs it: from a copy outside the tree, against a wheel built from the tree (a file missing
+# from the package fails here), in an environment of its own ($(EXAMPLES_VENV)): its third-party
+# packages are installed once, the wheel and the example again each time. The container tests
+# use distlib:cpu, built first (seconds when up to date); --distlib-strict makes a test that
+# cannot run here (no Docker) fail, as CI wants: EXAMPLES_ARGS= for a lenient local run.
+EXAMPLES_VENV ?= $(HOME)/.cache/distlib/examples-venv
+EXAMPLES_ARGS ?= --distlib-strict
+test-examples: venv
+	rm -rf .build/examples && mkdir -p .build/examples
+	$(PY) -m pip wheel --quiet --no-deps -w .build/examples .
+	test -x $(EXAMPLES_VENV)/bin/python || $(PYTHON) -m venv $(EXAMPLES_VENV)
+	$(EXAMPLES_VENV)/bin/pip install --quiet --force-reinstall --no-deps .build/examples/distlib_c10d-*.whl
+	$(EXAMPLES_VENV)/bin/pip install --quiet --find-links .build/examples "$$(ls .build/examples/distlib_c10d-*.whl)[testing]"
+	if command -v docker >/dev/null 2>&1; then IMAGE=distlib:cpu docker/build-image.sh >.build/examples/image.log 2>&1 || \
+	  { tail -20 .build/examples/image.log; exit 1; }; fi
+	copy=$$(mktemp -d /tmp/distlib-examples-XXXXXX) && cp -r examples/ci/. $$copy && \
+	  $(EXAMPLES_VENV)/bin/pip install --quiet --find-links .build/examples $$copy && \
+	  ( cd $$copy && $(EXAMPLES_VENV)/bin/python -m pytest -p no:cacheprovider $(EXAMPLES_ARGS) $(PYTEST_ARGS) ); \
+	  status=$$?; rm -rf $$copy; exit $$status
 
 # torch 2.13 is large (about 5 GB with its CUDA wheels): it lives in its own environment outside
 # the clone, installed once and reused by every later run and clone. distlib is not installed

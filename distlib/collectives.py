@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
+from . import observers
 from .arrays import check_array, check_array_list, check_one_device, same_dtype
 from .backends.base import STREAM_ORDERED, BackendBase, RecvHandle
 from .distributed import _resolve, warn_not_in_group
@@ -37,6 +38,8 @@ def _run(pg: ProcessGroup, backend: BackendBase, op_name: str, async_op: bool, r
     queued Work for an async one. Stream-ordered: ``fn`` enqueues on the device stream and
     returns the operation's Work at once; a sync call then makes the caller's stream wait,
     not the host (torch's semantics)."""
+    if observers.collective_entered is not None:
+        observers.collective_entered(op_name)
     if backend.kind is STREAM_ORDERED:
         work = fn(*args)
         if async_op:

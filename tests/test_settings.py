@@ -70,6 +70,7 @@ READERS = {
     "distlib/settings.py": "## The library",
     "deploy/distlib_deploy/settings.py": "## The deployment",
     "tests/support/settings.py": "## The test suite",
+    "distlib/testing/settings.py": "## The testing harness",
 }
 
 

@@ -83,7 +83,7 @@ def status(refresh: bool = False) -> CudaStatus:
 
 def install(cupy: Any, nccl: Any, devices: int) -> CudaStatus:
     """Use ``cupy`` and ``nccl`` (modules with cupy's API) instead of importing cupy: the seam
-    where the CPU suite puts its fake device (tests/gpu/fake_cuda.py). Returns the new status."""
+    where the fake device goes (distlib/testing/fake_gpu: the CPU suite, a user's CPU CI). Returns the new status."""
     global _cached
     with _lock:
         _cached = CudaStatus(cupy, nccl, devices, "")

@@ -1,21 +1,22 @@
-"""Fixtures of the container tests beyond tests/fixtures/docker.py: named volumes, a state
-directory for the cluster driver, and the Slurm cluster (tests/support/slurm.py)."""
+"""Fixtures of the container tests beyond tests/fixtures/docker.py: the harness's clusters of
+containers, a state directory for the cluster driver, and the Slurm cluster (tests/support/slurm.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.containers._ranks import named_volumes
 from tests.support.compose import run_cluster
 from tests.support.slurm import slurm_cluster, slurm_image  # noqa: F401 - fixtures of the Slurm tests
 
 
 @pytest.fixture
-def named_volume(docker_client):
-    """Factory: ``named_volume(hint)`` → a new labelled docker-py Volume, removed after the test
-    (with any container still using it)."""
-    with named_volumes(docker_client) as make:
-        yield make
+def containers(distlib_cluster, distlib_image):
+    """``containers(nodes)``: a distlib.testing cluster of containers of the session's image."""
+
+    def make(nodes: int, **options):
+        return distlib_cluster(nodes=nodes, substrate="containers", image=distlib_image, **options)
+
+    return make
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The container fixtures themselves (tests/fixtures/docker.py): skip-or-fail without an engine,
-private networks, the labelled-container factory and the sweep of leftovers."""
+labelled containers and the sweep of leftovers."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import pytest
 
 from tests.fixtures.docker import (
     REPO_ROOT,
-    SESSION_ID,
     TEST_LABELS,
-    exec_text,
     labelled,
     sweep,
 )
@@ -61,53 +59,6 @@ def test_no_engine_fails_when_docker_is_required(tmp_path):
 
 
 # --- with an engine ------------------------------------------------------------------------------
-
-
-@pytest.mark.containers
-def test_private_internal_network_connects_containers_by_alias(distlib_image, docker_network, container_factory):
-    net = docker_network(internal=True)
-    server = container_factory(
-        distlib_image,
-        command=["python", "-c", textwrap.dedent("""
-            import socket
-            s = socket.create_server(("0.0.0.0", 7000))
-            conn, _ = s.accept()
-            conn.sendall(b"hello from node0")
-            conn.close()
-        """)],
-        network=net, aliases=["node0"],
-    )
-    client = container_factory(distlib_image, command="sleep infinity", network=net, aliases=["node1"])
-    code, out = exec_text(client, ["python", "-c", textwrap.dedent("""
-        import socket, time
-        for _ in range(100):
-            try:
-                c = socket.create_connection(("node0", 7000), timeout=2)
-                break
-            except OSError:
-                time.sleep(0.1)
-        print(c.recv(100).decode())
-    """)])
-    assert code == 0, out
-    assert out.strip() == "hello from node0"
-    assert server.wait() == 0
-    attrs = net._network.attrs
-    assert attrs["Internal"] is True
-    assert attrs["Labels"]["distlib.test.session"] == SESSION_ID
-    assert server.get_wrapped_container().labels["distlib.test"] == "1"
-
-
-@pytest.mark.containers
-def test_network_is_removed_after_the_block(docker_client):
-    import docker
-
-    from tests.fixtures.docker import private_network
-
-    with private_network() as net:
-        name = net.name
-        docker_client.networks.get(name)
-    with pytest.raises(docker.errors.NotFound):
-        docker_client.networks.get(name)
 
 
 @pytest.mark.containers

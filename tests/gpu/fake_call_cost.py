@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--back-to-back", type=int, default=0)
     parser.add_argument("--settle-s", type=float, default=120.0)
     args = parser.parse_args(argv)
-    from . import fake_cuda
+    from distlib.testing.fake_gpu import cuda as fake_cuda
 
     fake_cuda.install()
     import distlib as dist

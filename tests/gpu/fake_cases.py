@@ -32,7 +32,7 @@ def _init(rank, ws, where, store, device_id, timeout_s, **fake):
         cupy.cuda.Device(0).use()
         device = types.SimpleNamespace(cupy=cupy, violations=[])
     else:
-        from . import fake_cuda
+        from distlib.testing.fake_gpu import cuda as fake_cuda
 
         device = fake_cuda.install(os.path.join(where, "fake"), **fake)
     import distlib as dist

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from . import fake_cuda as F
+from distlib.testing.fake_gpu import cuda as F
 
 
 @pytest.fixture

@@ -104,7 +104,7 @@ def one_rank():
     import distlib as dist
     from distlib.backends import cupy_env
 
-    from . import fake_cuda
+    from distlib.testing.fake_gpu import cuda as fake_cuda
 
     fake_cuda.install()
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60),

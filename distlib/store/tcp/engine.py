@@ -34,6 +34,7 @@ from .budget import ClientLimits, MemoryBudget
 from .codec import MANY_KEY_OPS, STOP_WAITING, U64, Limits, ManyScan, Op, ProtocolError
 from .connection import Connection
 from .handlers import CloseConnection, Handlers
+from .observe import Observer, observed_table
 from .state import KeyValueState, StateError
 
 #: A connection's requests stop running for the turn once this many reply parts wait to go out
@@ -56,11 +57,11 @@ class RequestEngine:
     ``budget`` (the memory budget: ``memory_budget`` bytes, the requests the engine holds and
     the waits of the state counted in it; the server's sending charges it too).
     ``client_limits`` caps the keys waited for; ``on_worker(conn, value)`` is told of each ADD
-    on the worker counter ``init/`` (handlers.py).
+    on the worker counter ``init/`` (handlers.py); ``observer`` (observe.py), of every request.
     """
 
     def __init__(self, limits: Limits, client_limits: ClientLimits, memory_budget: int,
-                 on_worker: Callable[[Connection, int], None]):
+                 on_worker: Callable[[Connection, int], None], observer: Optional[Observer] = None):
         self.limits = limits
         #: Connections with replies on ``conn.out`` since the loop last took them (sent at the
         #: end of its turn); a connection may be listed more than once.
@@ -75,6 +76,8 @@ class RequestEngine:
         # One entry per opcode byte: parse the request at buf[pos:end] and run it; return the
         # offset after it, or -need when it has not fully arrived.
         self._ops = self.handlers.table()
+        if observer is not None:  # each request also told to an observer (observe.py)
+            self._ops = observed_table(self._ops, observer, limits)
 
     # -- the loop's calls --------------------------------------------------------------------------
 

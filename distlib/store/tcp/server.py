@@ -82,6 +82,7 @@ from .connection import EPOLLIN, EPOLLIN_ERRS, EPOLLOUT, EPOLLRDHUP, Connection
 from .engine import RequestEngine
 from .handlers import CloseConnection
 from .intake import Intake
+from .observe import Observer
 from .security import StoreSecurity
 from .sending import ReplySender
 
@@ -105,8 +106,9 @@ class StoreServer:
     ``security``: the token and TLS every connection must go through; None reads them from
     the environment (``StoreSecurity.from_env``), so a process with ``DISTLIB_AUTH_TOKEN``
     never serves without it. ``StoreSecurity()`` is an open server. ``memory_budget`` and
-    ``client_limits`` (budget.py) bound what its clients may make it hold. A server that is
-    never served is ``close()``d.
+    ``client_limits`` (budget.py) bound what its clients may make it hold. ``observer``
+    (observe.py) is told of every request (the testing harness's master service). A server that
+    is never served is ``close()``d.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class StoreServer:
         security: Optional[StoreSecurity] = None,
         memory_budget: int = MEMORY_BUDGET,
         client_limits: Optional[ClientLimits] = None,
+        observer: Optional[Observer] = None,
     ):
         self.limits = limits or Limits()
         self.client_limits = client_limits or ClientLimits()
@@ -150,7 +153,8 @@ class StoreServer:
         self.worker_peers: List[str] = []
         self.counter_changed = threading.Condition()
         #: The requests: framing, ordered waits, the handlers, the state and the memory budget.
-        self.engine = RequestEngine(self.limits, self.client_limits, memory_budget, self._worker_joined)
+        self.engine = RequestEngine(self.limits, self.client_limits, memory_budget, self._worker_joined, observer)
+        batch_path = batch_path and observer is None  # an observer hears every request (observe.py)
         self.state = self.engine.state
         self.budget = self.engine.budget
         self._feed = self.engine.feed  # (once per read)

@@ -1,6 +1,7 @@
-"""A fake GPU for the CPU suite: the part of cupy and of cupy's NCCL bindings that the nccl
-backend calls, run by a thread, so that time, failure and teardown can be tested without a
-device. Installed through ``distlib.backends.cupy_env.install``; nothing else changes.
+"""A fake GPU: the part of cupy and of cupy's NCCL bindings that the nccl backend calls, run by
+a thread, so that time, failure and teardown can be tested without a device, and a user's
+``backend="nccl"`` job runs on CPU with correct numbers (distlib.testing: ``fake_gpus=N``).
+Installed through ``distlib.backends.cupy_env.install``; nothing else changes.
 
 What it models, and why (each is something the real-GPU runs of issue 25 tripped over):
 
@@ -39,7 +40,7 @@ import threading
 import time
 import types
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -105,7 +106,7 @@ _device = _Device()
 def hold() -> threading.Event:
     """Stop the device until the returned event is set (everything enqueued meanwhile waits)."""
     release = threading.Event()
-    _device.put(lambda: release.wait(300))
+    _device.put(lambda: None if release.wait(300) else None)
     return release
 
 
@@ -137,6 +138,7 @@ _current = threading.local()
 
 
 class Stream:
+    null: "Stream"  # the default stream (set below)
     def __init__(self, null: bool = False, non_blocking: bool = False, ptr: Optional[int] = None):
         self.ptr = 0 if null else next(_stream_ids)
 
@@ -190,7 +192,7 @@ class Device:
 
 # -- memory: arrays the device can find by address ----------------------------------------------
 
-_allocations: Dict[int, "weakref.ref"] = {}
+_allocations: Dict[int, Tuple["weakref.ref[np.ndarray]", int]] = {}
 
 
 def _register(base: np.ndarray) -> None:
@@ -318,6 +320,6 @@ cuda = types.SimpleNamespace(Device=Device, Event=Event, Stream=Stream, get_curr
                              runtime=runtime)
 cupy = types.SimpleNamespace(__name__="cupy", __version__="14.2.0+fake", cuda=cuda, ndarray=ndarray, empty=empty,
                              zeros=zeros, ones=ones, asarray=asarray)
-from . import fake_nccl as nccl  # noqa: E402 - the communicator needs the device above
+from . import nccl  # noqa: E402 - the communicator needs the device above
 
 nccl.bind(sys.modules[__name__])

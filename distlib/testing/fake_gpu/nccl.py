@@ -1,4 +1,4 @@
-"""The fake's ``cupy.cuda.nccl``: module functions and ``NcclCommunicator`` (see fake_cuda.py
+"""The fake's ``cupy.cuda.nccl``: module functions and ``NcclCommunicator`` (see cuda.py
 for what is modelled and why). Ranks are processes; a communicator's operations meet through
 files in the fake's shared directory: ``<dir>/comm-<id>/c<seq>.<rank>`` holds rank's part of
 collective #seq, ``p<src>-<dst>.<n>`` the n-th message from src to dst, ``aborted.<rank>``
@@ -12,12 +12,12 @@ import contextlib
 import os
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 available = True
-_cuda = None  # fake_cuda, bound at its import
+_cuda: Any = None  # the fake device (cuda.py), bound at its import
 
 _DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16,
            7: np.float32, 8: np.float64}
@@ -213,7 +213,7 @@ class NcclCommunicator:
     # -- the device side ----------------------------------------------------------------------
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.dir, name)
+        return os.path.join(str(self.dir), name)
 
     def _post(self, name: str, payload: bytes) -> None:
         tmp = self._path(f".{name}.{os.getpid()}")
@@ -254,7 +254,7 @@ class NcclCommunicator:
             if spec[0] == "group":
                 self._run_group(spec[1])
             else:
-                self._run_collective(seq, spec)
+                self._run_collective(int(seq or 0), spec)
         finally:
             with self._guard:
                 self._queued -= 1
