@@ -68,7 +68,7 @@ def is_backend_available(backend: str) -> bool:
         return is_mpi_available()
     if name == Backend.NCCL:
         return is_nccl_available()
-    return name.upper() in Backend._plugins
+    return Backend.plugin(name) is not None
 
 
 def is_initialized() -> bool:
@@ -129,7 +129,7 @@ def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, 
 
         return NcclBackend(_needs_store(store, name), rank, size, timeout, label=label, device_id=device_id,
                            identity=identity)
-    plugin = Backend._plugins.get(name.upper())
+    plugin = Backend.plugin(name)
     if plugin is not None:
         if plugin.extended_api:
             from types import SimpleNamespace

@@ -34,12 +34,15 @@ class Future:
         self._lock = threading.Lock()
 
     def set_result(self, value: Any) -> None:
-        self._settle(value, None)
+        self.settle(value, None)
 
     def set_exception(self, error: BaseException) -> None:
-        self._settle(None, error)
+        self.settle(None, error)
 
-    def _settle(self, value: Any, error: Optional[BaseException]) -> None:
+    def settle(self, value: Any, error: Optional[BaseException]) -> None:
+        """The producer's side: the value, or the error when one is given. The first call wins
+        and later ones are ignored, so two threads that may each see the result last (the nccl
+        watchdog and a caller of get_future) can both settle it."""
         with self._lock:
             if self._event.is_set():
                 return

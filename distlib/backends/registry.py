@@ -18,7 +18,10 @@ from typing import Callable, Dict, List, Optional, Union
 
 
 @dataclass
-class _Plugin:
+class Plugin:
+    """A third-party backend as ``Backend.register_backend`` recorded it: its creator and
+    whether that takes torch's extended arguments (one options object)."""
+
     creator_fn: Callable
     extended_api: bool
 
@@ -40,13 +43,18 @@ class Backend(str):
         "gloo": ["cpu", "cuda"], "nccl": ["cuda"], "xccl": ["xpu"], "ucc": ["cpu", "cuda"],
         "mpi": ["cpu", "cuda"], "fake": ["cpu", "cuda", "hpu", "xpu"],
     }
-    _plugins: Dict[str, _Plugin] = {}
+    _plugins: Dict[str, Plugin] = {}
 
     def __new__(cls, name: str) -> "Backend":
         if not isinstance(name, str):
             raise ValueError("Backend constructor parameter must be string-ish")
         value = getattr(Backend, name.upper(), None)
         return str.__new__(cls, value if isinstance(value, str) else name.lower())
+
+    @classmethod
+    def plugin(cls, name: str) -> Optional[Plugin]:
+        """The third-party backend registered under ``name`` (any case), or None."""
+        return cls._plugins.get(name.upper())
 
     @classmethod
     def register_backend(cls, name: str, func: Callable, extended_api: bool = False,
@@ -70,7 +78,7 @@ class Backend(str):
             for device in devices:
                 if Backend.default_device_backend_map.get(device) in (None, "fake"):
                     Backend.default_device_backend_map[device] = lower
-        Backend._plugins[name.upper()] = _Plugin(func, extended_api)
+        Backend._plugins[name.upper()] = Plugin(func, extended_api)
 
 
 def backend_config(backend: str, available_devices: List[str]) -> Dict[str, str]:

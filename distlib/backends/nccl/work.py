@@ -71,11 +71,11 @@ class NcclWork:
         self._state = FAILED if error is not None else DONE  # before the Future is looked at
         future = self._future_made
         if future is not None:
-            future._settle(None if error is not None else self._result, error)
+            future.settle(None if error is not None else self._result, error)
 
     def get_future(self) -> Future:
         """torch's Future, made on first use and settled by whichever of the watchdog and this
-        thread sees the other's write last (Future._settle is idempotent)."""
+        thread sees the other's write last (Future.settle keeps the first)."""
         future = self._future_made
         if future is None:
             with _futures:
@@ -83,7 +83,7 @@ class NcclWork:
                 if future is None:
                     future = self._future_made = Future()
             if self._state != PENDING:
-                future._settle(None if self._error is not None else self._result, self._error)
+                future.settle(None if self._error is not None else self._result, self._error)
         return future
 
     # -- questions ------------------------------------------------------------------------------
