@@ -4,7 +4,7 @@ Why a plan: NCCL has all_reduce, reduce, broadcast, all_gather, reduce_scatter a
 everything else (gather, scatter, all_to_all with split sizes, list outputs, AVG on an old
 NCCL, PREMUL_SUM) is offsets, temporaries and grouped send/recv. Building that as data, in
 pure code, keeps the offsets checkable without a GPU (the tests run every plan through a
-numpy model of NCCL's primitives), and leaves nccl.py a short loop that turns each step into
+numpy model of NCCL's primitives), and leaves backend.py a short loop that turns each step into
 one cupy call.
 
 A plan's buffers are the operation's arrays, in the order the backend passes them, then the
