@@ -40,9 +40,10 @@ class CupyCopies:
     """The copies of one operation on cupy arrays of one device; made when it is issued."""
 
     def __init__(self, array):
-        import cupy
+        from . import cupy_env
 
-        self.cupy = cupy
+        # cupy as the process has it (cupy_env.install's seam: the fake device on CPU hosts)
+        cupy = self.cupy = cupy_env.status().cupy
         self.device = int(array.device.id)
         self.side = _side_stream(cupy, self.device)
         with cupy.cuda.Device(self.device):

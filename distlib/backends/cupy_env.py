@@ -7,9 +7,9 @@ both present but no device or no driver (``getDeviceCount`` raises, e.g.
 as torch's needs NCCL built in; a communicator needs all three. Each answer is one line, so
 ``init_process_group("nccl")`` can say exactly what to install or fix.
 
-The backends find cupy here, on first use, so that CPU-only processes never pay for it (only
-cuda_staging.py imports it too, for a cupy array it was handed); the test suite's fake device
-comes in through ``install`` (the backend sees no difference).
+The backends find cupy here, on first use, so that CPU-only processes never pay for it; the
+fake device (distlib/testing/fake_gpu) comes in through ``install`` (the backends see no
+difference).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from ...deadline import Deadline
 from ...errors import DistBackendError
 from ...identity import Identity
 from ...net import format_endpoint as net_endpoint
+from ...store.chain import innermost
 from ..join import local_facts, publish_and_gather
 from .shared_segments import ContextFactory, agree_on_segment
 from .transport import address as addr
@@ -42,7 +43,7 @@ def connect_group(store, rank: int, size: int, timeout_s: float, label: str, dea
     them if this raises); ``identity``'s node goes into the join record. Returns (every rank's join record, whether all ranks are on this
     host, whether this machine runs more of the group's ranks than this process has CPUs)."""
     token = auth.configured_token()
-    advertised = addr.advertised_addresses(store)
+    advertised = addr.advertised_addresses(innermost(store))
     listeners: list = []
     try:
         for address, why in advertised:

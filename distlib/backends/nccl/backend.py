@@ -46,6 +46,7 @@ from ...deadline import Deadline
 from ...errors import DistBackendError
 from ...identity import Identity
 from ...reduce_op import ReduceOp
+from ...store.chain import close_quietly, innermost
 from .. import cupy_env
 from ..base import RecvHandle, StreamOrderedBackend
 from ..join import local_facts, publish_and_gather
@@ -148,7 +149,7 @@ class NcclBackend(StreamOrderedBackend):
             store = self.store.clone()
         except Exception:  # noqa: BLE001 - a store that cannot be cloned is shared instead
             return self.store
-        if _innermost(store) is not _innermost(self.store):  # a HashStore's clone is itself: shared
+        if innermost(store) is not innermost(self.store):  # a HashStore's clone is itself: shared
             try:
                 store.set_timeout(timedelta(seconds=min(self.timeout_s, 2 * SILENCE_CHECK_S)))
             except Exception:  # noqa: BLE001 - a store without timeouts keeps its own
@@ -473,8 +474,8 @@ class NcclBackend(StreamOrderedBackend):
             self.heartbeat.close()
 
     def _release(self) -> None:
-        if self._watch_store is not None and _innermost(self._watch_store) is not _innermost(self.store):
-            _close(self._watch_store)
+        if self._watch_store is not None and innermost(self._watch_store) is not innermost(self.store):
+            close_quietly(self._watch_store)
         self._watch_store = None
         self._events.clear()
 
@@ -484,17 +485,3 @@ def _describe(op_name: str, arrays: Sequence) -> str:
         return op_name
     first = arrays[0]
     return f"{op_name} of {first.size} x {first.dtype}"
-
-
-def _innermost(store):
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    return store
-
-
-def _close(store) -> None:
-    """Close the innermost store of a clone (a TCP connection of its own)."""
-    store = _innermost(store)
-    close = getattr(store, "close", None)
-    if callable(close):
-        close()

@@ -65,16 +65,15 @@ def default_route_address() -> str:
 
 
 def store_connection_address(store) -> Optional[str]:
-    """The local address of the store client's connection, if the store is a TCPStore."""
-    inner = store
-    while hasattr(inner, "underlying_store"):
-        inner = inner.underlying_store
-    local = getattr(inner, "local_address", None)
+    """The local address of the store client's connection, if ``store`` (the end of the group's
+    store chain: the caller unwraps it, store.chain.innermost) is a TCPStore."""
+    local = getattr(store, "local_address", None)
     return local() if callable(local) else None
 
 
 def advertised_addresses(store) -> List[Tuple[str, str]]:
-    """[(address, why)]: one per GLOO_SOCKET_IFNAME interface, else one default."""
+    """[(address, why)]: one per GLOO_SOCKET_IFNAME interface, else one default (``store``: the
+    end of the group's store chain)."""
     names = interfaces_from_env()
     if names:
         return [(interface_address(n), f"GLOO_SOCKET_IFNAME={n}") for n in names]
