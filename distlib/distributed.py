@@ -95,6 +95,19 @@ def get_node_local_rank(fallback_rank: Optional[int] = None) -> int:
                        "want the code to run locally instead.")
 
 
+def get_identity() -> Identity:
+    """Who this process is (distlib's, not torch's): after init_process_group, the identity the
+    default group was made with — its rank and size, and the master, the node, the local rank
+    and the run as they were read from the environment (torch's variables, or srun's) — else
+    the environment's now. Nothing is read from ``os.environ`` twice and nothing is written to
+    it: under srun, ``RANK`` or ``MASTER_ADDR`` are not in ``os.environ`` after init, and code
+    that wants them asks here (identity.py)."""
+    with world.lock:
+        if world.identity is not None:
+            return world.identity
+    return Identity.read()
+
+
 def _available_devices() -> List[str]:
     """What ``backend=None`` maps: cpu, and cuda where a GPU can run NCCL (torch 2.x's
     "cpu:gloo,cuda:nccl")."""

@@ -3,7 +3,7 @@
     distlib-run [--nnodes N|MIN:MAX] [--nproc-per-node N|auto|cpu|gpu] [--node-rank N|auto]
                 [--master-addr HOST] [--master-port PORT]
                 [--rdzv-backend static|c10d] [--rdzv-endpoint HOST[:PORT]|file:///PATH] [--run-id ID]
-                [--max-restarts N] [--monitor-interval S] [--rdzv-conf K=V,...]
+                [--max-restarts N] [--monitor-interval S] [--rdzv-conf K=V,...] [--store-outage-timeout S]
                 [--log-dir DIR] [-r SPEC] [-t SPEC] [--local-ranks-filter R,...]
                 [--log-line-prefix-template T] [--role NAME]
                 [--standalone] [--grace-period S] [--rdzv-timeout S] [--dry-run]
@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch's rendezvous settings: join_timeout (600), last_call_timeout (30), close_timeout (30), "
              "keep_alive_interval (2), keep_alive_max_attempt (5: a node silent 2 x 5 = 10 s is lost), "
              "heartbeat_timeout (5), timeout (60)")
+    add("--store-outage-timeout", dest="store_outage_timeout", type=_positive, metavar="S",
+        default=settings.store_outage_timeout(),
+        help="elastic: seconds the agents ride out a rendezvous store that stopped answering (a master service "
+             "restarting with its journal): the workers keep running and the job goes on in the same round; "
+             "past it every node fails naming the store (default 60; env DISTLIB_STORE_OUTAGE_TIMEOUT)")
     add("--role", default=_pet("ROLE", "default"), help="the workers' ROLE_NAME (default 'default')")
     add("--log-dir", "--log_dir", dest="log_dir", default=_pet("LOG_DIR"),
         help="base directory of the workers' log files (--redirects, --tee): <dir>/<run id>_<random>/"
@@ -154,7 +159,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         resolved = resolve(flags, os.environ)
         plan = None
         if is_elastic(resolved, args.max_restarts):
-            plan = elastic_plan(resolved, args.max_restarts, args.monitor_interval, args.rdzv_conf)
+            plan = elastic_plan(resolved, args.max_restarts, args.monitor_interval, args.rdzv_conf,
+                                args.store_outage_timeout)
         template = args.log_line_prefix_template
         output = OutputSpec(DEFAULT_PREFIX_TEMPLATE if template is None else template,
                             parse_ranks_filter(args.local_ranks_filter), args.redirects, args.tee)

@@ -90,6 +90,12 @@ def launcher_run_id(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[s
     return None
 
 
+def store_outage_timeout(env: Optional[Mapping[str, str]] = None) -> str:
+    """distlib-run's default --store-outage-timeout (DISTLIB_STORE_OUTAGE_TIMEOUT, seconds; "60"
+    when unset): how long elastic agents ride out a store that stopped answering."""
+    return text("DISTLIB_STORE_OUTAGE_TIMEOUT", "60", env)
+
+
 def external_store(env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether every rank is a client of a standing store service.
 

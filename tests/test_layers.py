@@ -20,7 +20,7 @@ LAYERS: Dict[str, int] = {
     "distlib.store_service": 6, "distlib.gpu_info": 6,
     # (the elastic launcher's modules, named so that the map shows them)
     "distlib.launcher.elastic_config": 6, "distlib.launcher.rounds": 6, "distlib.launcher.rounds_store": 6,
-    "distlib.launcher.elastic_agent": 6, "distlib.launcher.output": 6,
+    "distlib.launcher.elastic_agent": 6, "distlib.launcher.output": 6, "distlib.launcher.outages": 6,
     # 5: the public API
     "distlib": 5, "distlib.distributed": 5, "distlib.collectives": 5,
     "distlib.object_collectives": 5, "distlib.debug": 5,

@@ -20,8 +20,11 @@ writes nothing ``decide`` did not make: its own events reach ``decide`` through 
 * the job failed (no restarts left, too few nodes within the join timeout, a state record that
   no agent wrote): every node stops its workers and prints the outcome and every round with
   its cause; exit status 1;
-* the store stopped answering for longer than the heartbeat bound: the workers are stopped and
-  the agent fails, naming the store.
+* the store stops answering (a master service restarting, its host paused): the workers keep
+  running, nobody is judged by heartbeats the store could not take, and when it answers again
+  within ``--store-outage-timeout`` (60 s) the job goes on in the same round, no restart
+  counted; the absence is recorded in the job's state and every node's report lists it. Past
+  the bound, the agent says the job cannot go on, naming the store, then stops its workers.
 
 Every wait has a deadline: the join timeout, the grace period, the store's patience, the
 close timeout for a store this agent's launch hosts (launch.py hosts it, master.serve).
@@ -35,6 +38,7 @@ import secrets
 import signal
 import socket
 import time
+from dataclasses import replace
 from typing import Callable, List, Mapping, Optional
 
 from ..deadline import Deadline, format_duration
@@ -49,6 +53,7 @@ from .elastic_config import ElasticPlan
 from .master import RAN_OUT_SLACK_S, HostedStore, LauncherError
 from .output import OutputSpec
 from .resolve import Resolved
+from .outages import StoreOutages
 from .rounds_store import Heartbeat, RoundStore, StoreGone
 from .workerenv import Placement, Program, round_env
 
@@ -105,22 +110,30 @@ class ElasticAgent:
 
             def connect_file(_seconds: float) -> Store:
                 store = FileStore(path)
-                store.set_timeout(conf.timeout)
+                store.set_timeout(conf.heartbeat_timeout)
                 return store
 
             return connect_file
         from ..store.tcp.client import TCPStore
 
         host, port = str(self.resolved.master_addr.value), int(self.resolved.master_port.value)
-        return lambda seconds: TCPStore(host, port, None, False, seconds)
 
-    def _connect(self, connect: Callable[[float], Store]) -> RoundStore:
-        """The agent's RoundStore; LauncherError saying how long it tried when the store cannot
+        def connect_tcp(seconds: float) -> Store:
+            store = TCPStore(host, port, None, False, seconds)  # connecting: up to ``seconds``
+            store.set_timeout(conf.heartbeat_timeout)  # each call: an agent's calls are small
+            return store
+
+        return connect_tcp
+
+    def _connect(self, connect: Callable[[float], Store], outages: Optional[StoreOutages] = None) -> RoundStore:
+        """A RoundStore of the agent's (``outages``: the account of the store's absences it shares
+        with the agent's first one); LauncherError saying how long it tried when the store cannot
         be reached, with the wait that ran out only when it did run out."""
         started = time.monotonic()
         timeout = self.plan.conf.timeout
         try:
-            return RoundStore(connect, self.run_id, self.plan.conf.heartbeat_bound, timeout)
+            rounds = RoundStore(connect, self.run_id, self.plan.outage_bound, timeout, outages,
+                                interrupted=lambda: bool(self.signals.received))
         except (DistError, OSError) as exc:
             waited = time.monotonic() - started
             if isinstance(exc, OSError) and not isinstance(exc, DistError):
@@ -130,6 +143,16 @@ class ElasticAgent:
             else:
                 how = f"refused this agent after {format_duration(waited)}"
             raise LauncherError(f"the rendezvous store at {self._where()} {how}: {exc}") from exc
+        if outages is None:
+            rounds.outages = StoreOutages(rounds.where, self.plan.outage_bound, self._slow_call(), say)
+        return rounds
+
+    def _slow_call(self) -> float:
+        """Seconds after which a store call that did answer met a store that was away (a frozen
+        master answers late, it does not fail): heartbeat_timeout, at most half the heartbeat
+        bound — a longer call delays every node's beats enough to make a live node look lost."""
+        conf = self.plan.conf
+        return min(conf.heartbeat_timeout, conf.heartbeat_bound / 2)
 
     def _new_node_id(self, address: str) -> None:
         host = socket.gethostname()
@@ -210,16 +233,20 @@ class ElasticAgent:
             connect = self._connector()
             rounds = self._connect(connect)
             self._new_node_id(rounds.local_address() or _own_address())
-            heart = Heartbeat(self._connect(connect), self.node, self.plan.conf.keep_alive_interval).start()
+            heart = Heartbeat(self._connect(connect, rounds.outages), self.node,
+                              self.plan.conf.keep_alive_interval).start()
             status = self._loop(rounds, heart)
         except StoreGone as exc:
-            self._stop(signal.SIGTERM)
+            if self.leaving is None and self.signals.received and self.info is not None:
+                self._leave(self.signals.received[0])  # a signal while the store was away
             if self.leaving is not None:
+                self._stop(signal.SIGTERM)
                 log.warning("could not tell the others that this node left (%s): they will notice its silence", exc)
                 status = self.leaving.status
-            else:
+            else:  # said before the workers are stopped: the grace period is no part of the bound
                 say(f"the elastic job cannot go on: {exc}. Every node loses its rendezvous with it; start the job "
                     "again with a new --rdzv-id once the store is back")
+                self._stop(signal.SIGTERM)
                 status = 1
         except (WorkerStartError, LauncherError) as exc:
             self._stop(signal.SIGTERM)
@@ -244,6 +271,8 @@ class ElasticAgent:
         books = Bookkeeping(self.plan)
         seen_state = wrote = False
         said_at = 0.0
+        #: absences of the store this agent rode out, not yet seen recorded in the state
+        away: List[R.Outage] = []
         while True:
             if self.signals.received and self.leaving is None:
                 self._leave(self.signals.received[0])
@@ -258,17 +287,22 @@ class ElasticAgent:
                         return refusal
                     self._started(rounds)
                 seen_state = True
+                now = self._settle_absences(rounds, books, state, away, now)
                 books.observe(state, self.node, now)
                 if books.beats_due(now):
                     watched = R.watched(state)
-                    books.observe_beats(rounds.beats(watched), watched, now)
+                    counters = rounds.beats(watched)
+                    now = self._settle_absences(rounds, books, state, away, now)
+                    books.observe_beats(counters, watched, now)
+                away[:] = [o for o in away if not R.outage_noted(state, o)]
             elif state is None and seen_state:  # the store answers but holds no job any more
                 raise StoreGone(f"the rendezvous store ({rounds.where}) answers again but no longer holds run "
                                 f"{self.run_id!r} (its key {self.keys.elastic_state()} is gone): it restarted and lost "
                                 "the job's state (a master service must outlive the job), or something deleted the key")
             failure, finished = self._worker_news()
-            action = R.decide(state, self.node, self.info,
-                              books.view(now, self.running_round, failure, finished, self.leaving))
+            view = replace(books.view(now, self.running_round, failure, finished, self.leaving),
+                           outage=away[0] if away else None)
+            action = R.decide(state, self.node, self.info, view)
             if action.kind is R.Kind.WRITE:
                 assert action.state is not None
                 if rounds.write(raw, action.state):
@@ -301,6 +335,20 @@ class ElasticAgent:
                     said_at = now
                 time.sleep(self.plan.monitor_interval)
 
+    def _settle_absences(self, rounds: RoundStore, books: Bookkeeping, state: R.JobState, away: List[R.Outage],
+                         now: float) -> float:
+        """The store's absences that ended since the last look: none of their time counts for this
+        agent's clocks, and each is to be recorded in the job's state (for every node's report).
+        Returns the time now (a call that met an absence returned late)."""
+        ended = rounds.outages.take_ended()
+        if not ended:
+            return now
+        now = time.monotonic()
+        for absence in ended:
+            books.store_was_away(absence.seconds, now)
+            away.append(R.Outage(state.round, absence.started, absence.seconds))
+        return now
+
     def _refusal(self, state: R.JobState, where: str) -> Optional[int]:
         """The exit status when this node cannot join the job it found (other limits, or a job
         that already ended), having said why; None when it can."""
@@ -323,6 +371,8 @@ class ElasticAgent:
 
     def _finish(self, rounds: RoundStore, state: R.JobState, action: R.Action) -> int:
         self._stop()
+        for outage in state.outages:  # on every node, whatever the outcome: a person reads one log
+            say(f"the rendezvous store ({rounds.where}) {R.outage_text(outage)}")
         if action.status:
             say(f"the elastic job failed: {action.text}")
             lines = R.rounds_text(state)

@@ -21,12 +21,18 @@ key                         default  meaning
 ``keep_alive_interval``     2        seconds between two heartbeats of a node
 ``keep_alive_max_attempt``  5        heartbeats a node may miss: a node silent for interval x
                                      attempts (10 s by default; torch: 5 x 3 = 15 s) is lost
-``heartbeat_timeout``       5        seconds one heartbeat write may take
+``heartbeat_timeout``       5        seconds one store call of an agent may take (a heartbeat, a
+                                     read of the rounds); a slower one met a store that was away
 ``timeout``                 60       seconds to wait for the store (the master service) to answer
 ==========================  =======  =================================================================
 
 torch's other keys (``is_host``, ``store_type``, ``use_libuv``, ``local_addr``) are accepted and
 ignored with a note; an unknown key is an error (a typo would otherwise be a silent default).
+
+``--store-outage-timeout S`` (``DISTLIB_STORE_OUTAGE_TIMEOUT``, default 60; distlib's, torch has
+none): how long the agents ride out a store that stopped answering (outages.py) before the job
+fails naming it. ``heartbeat_timeout`` is also how long one store call of an agent may take
+before the store counts as away for that time.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from .resolve import Resolved, ResolveError
 
 #: torchrun's default ``--monitor-interval`` (seconds between two looks at the workers).
 DEFAULT_MONITOR_INTERVAL = 0.1
+#: distlib-run's default ``--store-outage-timeout``: seconds the agents ride out a store that stopped
+#: answering (a master service that restarts and replays its journal is back well within it).
+DEFAULT_OUTAGE_BOUND = 60.0
 #: Keys torch's rendezvous handlers take that mean nothing here.
 IGNORED_KEYS = ("is_host", "store_type", "use_libuv", "local_addr")
 
@@ -114,6 +123,8 @@ class ElasticPlan:
     monitor_interval: float
     conf: RdzvConf = field(default_factory=RdzvConf)
     notes: Tuple[str, ...] = ()
+    #: seconds the job waits for a store that stopped answering (--store-outage-timeout)
+    outage_bound: float = DEFAULT_OUTAGE_BOUND
 
     @property
     def range_text(self) -> str:
@@ -126,9 +137,11 @@ def is_elastic(resolved: Resolved, max_restarts: int) -> bool:
 
 
 def elastic_plan(resolved: Resolved, max_restarts: int, monitor_interval: float,
-                 rdzv_conf: Optional[str]) -> ElasticPlan:
+                 rdzv_conf: Optional[str], outage_bound: float = DEFAULT_OUTAGE_BOUND) -> ElasticPlan:
     """Check that ``resolved`` can run elastic and return the plan (ResolveError says why not)."""
     conf, notes = parse_rdzv_conf(rdzv_conf)
+    if not (math.isfinite(outage_bound) and outage_bound >= 0):
+        raise ResolveError(f"--store-outage-timeout must be 0 or more seconds, got {outage_bound}")
     if max_restarts < 0:
         raise ResolveError(f"--max-restarts must be 0 or more, got {max_restarts}")
     if not monitor_interval > 0:
@@ -147,4 +160,4 @@ def elastic_plan(resolved: Resolved, max_restarts: int, monitor_interval: float,
         raise ResolveError("a private store on a free port (--standalone, endpoint port 0) serves one node only: "
                            "an elastic range needs a master service every node reaches")
     return ElasticPlan(min_nodes=low, max_nodes=high, max_restarts=max_restarts,
-                       monitor_interval=monitor_interval, conf=conf, notes=tuple(notes))
+                       monitor_interval=monitor_interval, conf=conf, notes=tuple(notes), outage_bound=outage_bound)

@@ -27,6 +27,8 @@ def _elastic_rows(plan: ElasticPlan) -> List[tuple]:
          f"{conf.keep_alive_max_attempt}"),
         ("join_timeout", f"{conf.join_timeout:g} s", "--rdzv-conf"),
         ("last_call_timeout", f"{conf.last_call_timeout:g} s", "--rdzv-conf"),
+        ("store outage bound", f"{plan.outage_bound:g} s",
+         "--store-outage-timeout or DISTLIB_STORE_OUTAGE_TIMEOUT (the job rides out a store away this long)"),
     ]
 
 

@@ -12,7 +12,11 @@ job-wide limit — a node that leaves and comes back is a new node in a new roun
 
 A joining round closes when MAX nodes have joined; or when at least MIN have and either every
 node still alive from the previous round (and every late node) has joined, or the last-call
-window has passed since MIN was reached. Closing assigns node ranks: a node keeps its rank from
+window has passed since MIN was reached — but not while a node expected from the previous round
+is absent and has not been heard to beat since the round opened: whether it is alive (then it
+"did not come back" by the last call) or lost is its heartbeat's to say, within the bound. A
+node killed a moment before the others joined would otherwise be named as a straggler, after
+the workers its death made fail, instead of first, as lost. Closing assigns node ranks: a node keeps its rank from
 the previous round where that rank still exists, then a node's hint (its ``--node-rank``) is
 used where free, then the free ranks go in join order.
 
@@ -20,6 +24,11 @@ Liveness is each agent's own observation (``View.silent``: seconds since it last
 heartbeat counter move), so no two clocks are ever compared. A node silent for longer than the
 bound is dropped: from a running round that is a restart ("node lost"), from a joining round it
 is no longer waited for.
+
+The store's absences that the job rode out (a master service that restarted with its journal,
+outages.py) are kept too, one record per absence however many nodes saw it (``note_outage``:
+sightings that overlap are one), so every node's report can say the store was away, when and
+for how long; an absence restarts nothing.
 
 Restart causes are kept per round (the node lost first: it is usually why the workers failed),
 and every closed round is recorded, so a failure can list them all. When workers fail on
@@ -31,10 +40,19 @@ fail a moment later, and naming one of those would send the user to the wrong ra
 from __future__ import annotations
 
 import enum
+import itertools
+import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 JOINING, RUNNING, SUCCEEDED, FAILED = "joining", "running", "succeeded", "failed"
+#: How a cause that is a node's fate begins (a node lost, left, not back, joined): such a cause
+#: explains the workers' failures that follow it, so it stays ahead of them.
+NODE_CAUSES = ("node lost: ", "node left: ", "node did not come back: ", "node joined: ")
+
+
+def is_node_cause(cause: str) -> bool:
+    return cause.startswith(NODE_CAUSES)
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,27 @@ class RoundRecord:
     causes: Tuple[str, ...]
     nodes: Tuple[str, ...]
     world_size: int
+
+
+@dataclass(frozen=True)
+class Outage:
+    """The rendezvous store away: in round ``round``, from ``started`` (wall clock, seconds since
+    the epoch, as the node that saw it reads it) for ``seconds``; the job rode it out."""
+
+    round: int
+    started: float
+    seconds: float
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.seconds
+
+
+#: Two nodes' sightings of one absence of the store differ by their clocks and their polling:
+#: sightings this close (seconds) are the same absence.
+OUTAGE_SLACK_S = 2.0
+#: The most absences a state keeps (the record stays small; the count goes on).
+MAX_OUTAGES = 20
 
 
 @dataclass(frozen=True)
@@ -91,6 +130,8 @@ class JobState:
     history: Tuple[RoundRecord, ...] = ()
     #: succeeded/failed: what happened, in words.
     outcome: str = ""
+    #: the store's absences the job rode out, the latest MAX_OUTAGES, oldest first.
+    outages: Tuple[Outage, ...] = ()
 
     def describe(self, node: str) -> str:
         info = self.nodes.get(node)
@@ -236,7 +277,8 @@ def _earlier(state: JobState, for_round: int, causes: Tuple[str, ...], at: float
                 (state.phase == FAILED and state.round == for_round)
     if not (at and state.cause_at and at < state.cause_at and restarted):
         return state
-    merged = causes + tuple(c for c in state.causes if c not in causes)
+    nodes = tuple(itertools.takewhile(is_node_cause, state.causes))  # a node lost meanwhile stays first
+    merged = nodes + causes + tuple(c for c in state.causes[len(nodes):] if c not in causes)
     if state.phase == FAILED:
         return replace(state, causes=merged, cause_at=at, outcome=_no_restart(state, "; ".join(merged)))
     return replace(state, causes=merged, cause_at=at)
@@ -269,6 +311,24 @@ def finish_node(state: JobState, node: str, for_round: int) -> JobState:
     return replace(state, done=done)
 
 
+def note_outage(state: JobState, outage: Outage) -> JobState:
+    """Record an absence of the store that a node rode out: merged into a record of the same
+    absence (another node's sighting, within OUTAGE_SLACK_S) as the span of both, else added."""
+    for i, seen in enumerate(state.outages):
+        if outage.started <= seen.ended + OUTAGE_SLACK_S and seen.started <= outage.ended + OUTAGE_SLACK_S:
+            started = min(seen.started, outage.started)
+            merged = Outage(min(seen.round, outage.round), started, max(seen.ended, outage.ended) - started)
+            if merged == seen:
+                return state
+            return replace(state, outages=state.outages[:i] + (merged,) + state.outages[i + 1:])
+    return replace(state, outages=(state.outages + (outage,))[-MAX_OUTAGES:])
+
+
+def outage_noted(state: JobState, outage: Outage) -> bool:
+    """Whether ``state`` holds ``outage`` (or an absence that covers it)."""
+    return note_outage(state, outage) == state
+
+
 # -- one agent's decision ----------------------------------------------------------------------------
 
 
@@ -286,6 +346,8 @@ class View:
     round_opened_at: float
     #: when this agent first saw at least MIN nodes in the current round (None: not yet)
     min_reached_at: Optional[float] = None
+    #: the nodes whose heartbeat this agent saw move since it saw the current round open
+    heard: FrozenSet[str] = frozenset()
     #: when this agent began to wait as a late node (None: it is not waiting)
     waiting_since: Optional[float] = None
     #: the round this agent's workers belong to (None: no workers running)
@@ -298,6 +360,8 @@ class View:
     finished: bool = False
     #: this node was told to stop (a signal); its workers are already stopped
     leaving: Optional["Leaving"] = None
+    #: an absence of the store this agent rode out and has not seen recorded in the state yet
+    outage: Optional[Outage] = None
 
 
 @dataclass(frozen=True)
@@ -368,8 +432,11 @@ def _closing(state: JobState, view: View) -> bool:
         return True
     if joined < state.min_nodes:
         return False
-    if state.expected and set(state.expected) <= set(state.joined):
+    absent = set(state.expected) - set(state.joined)
+    if state.expected and not absent:
         return True
+    if absent - view.heard:  # alive or lost? its heartbeat says within the bound (module docstring)
+        return False
     return view.min_reached_at is not None and view.now - view.min_reached_at >= view.last_call_timeout
 
 
@@ -405,6 +472,10 @@ def decide(state: Union[JobState, BadRecord, None], node: str, info: NodeInfo, v
         reported = restart(state, view.failure.round, (view.failure.cause,), view.failure.at)
         if reported != state:
             return Action(Kind.WRITE, view.failure.cause, reported)
+    if view.outage is not None and state.phase in (JOINING, RUNNING):
+        noted = note_outage(state, view.outage)
+        if noted != state:
+            return Action(Kind.WRITE, f"recording the store's absence ({outage_text(view.outage)})", noted)
     if state.phase == SUCCEEDED:
         if node in state.ranks:
             return Action(Kind.FINISH, f"the job succeeded: {state.outcome}")
@@ -475,6 +546,13 @@ def round_line(state: JobState, node: str) -> str:
             f"{state.first_rank(node) + state.nodes[node].nproc - 1})")
 
 
+def outage_text(outage: Outage) -> str:
+    """One absence of the store, for a person: how long, in which round, from when (UTC)."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(outage.started))
+    return (f"was away for {outage.seconds:.1f} s in round {outage.round} (from {when} UTC): the job went on in "
+            "the same round, no restart counted")
+
+
 def rounds_text(state: JobState) -> List[str]:
     """Every round of the job and its cause, one line each (for a failure and for the report)."""
     lines = []
@@ -484,4 +562,5 @@ def rounds_text(state: JobState) -> List[str]:
                      f"size {record.world_size} (node ranks: {names})")
     if state.phase == JOINING:
         lines.append(f"round {state.round}: {'; '.join(state.causes)} -> never closed")
+    lines += [f"the store {outage_text(outage)}" for outage in state.outages]
     return lines

@@ -18,9 +18,12 @@ The keys (distlib/keyspace.py) live under ``distlib/elastic/<run id>/``:
   next beat replaces it; nothing else is affected (a counter kept with ``add`` would make the
   server refuse, and drop, the connection every node's reads go through).
 
-A store that stops answering is retried (saying so) for at most ``patience`` seconds, by
-default the heartbeat bound: the store is a member of the job too, and a job whose store is
-gone cannot be restarted; then ``StoreGone`` names the store and how long it was tried.
+A store that stops answering is retried for at most ``patience`` seconds (the agent's
+``--store-outage-timeout``, 60 s by default), counted from the first call of either of the
+agent's clients that failed (outages.py keeps that account and says when the store goes and
+comes back): a master service that restarts with its journal is back within it, and the job
+goes on where it was. Past it, ``StoreGone`` names the store and how long it was tried: a job
+whose store is gone cannot be restarted.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ..keyspace import KeySpace
 from ..printable import printable
 from ..store.base import Store
 from ..store.chain import close_quietly
+from .outages import StoreOutages
 from .rounds import BadRecord, JobState
 from .state_record import RecordError, decode, encode
 
@@ -79,36 +83,45 @@ class RoundStore:
     patience (a TCPStore client whose connection broke stays broken).
     """
 
-    def __init__(self, connect: Callable[[float], Store], run_id: str, patience: float, first_wait: float):
+    def __init__(self, connect: Callable[[float], Store], run_id: str, patience: float, first_wait: float,
+                 outages: Optional[StoreOutages] = None, interrupted: Callable[[], bool] = lambda: False):
         self._connect = connect
+        #: whether to stop retrying a store that does not answer (the agent got a signal)
+        self._interrupted = interrupted
         self.keys = KeySpace(run_id)
         self.patience = patience
         self._store: Optional[Store] = connect(first_wait)
         self.where = self._store.describe()
+        #: the store's absences, shared with the agent's other client (outages.py)
+        self.outages = outages or StoreOutages(self.where, patience, patience,
+                                               lambda text: log.warning("%s", text))
         #: node -> the value of its heartbeat key last reported as no counter (reported once)
         self._bad_beats: Dict[str, bytes] = {}
 
     # -- store calls, retried -------------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[[Store], T]) -> T:
-        started = time.monotonic()
-        said = False
         while True:
+            started = time.monotonic()
             try:
                 if self._store is None:
-                    self._store = self._connect(max(0.1, self.patience - (time.monotonic() - started)))
-                return fn(self._store)
+                    self._store = self._connect(max(0.1, self.patience - self.outages.away()))
+                result = fn(self._store)
             except (DistError, OSError) as exc:
                 self._drop_client()
-                waited = time.monotonic() - started
-                if waited >= self.patience:
-                    raise StoreGone(f"the rendezvous store ({self.where}) did not answer for "
-                                    f"{format_duration(waited)} ({what}): {exc}") from exc
-                if not said:
-                    log.warning("the rendezvous store (%s) did not answer (%s: %s): retrying for up to %s",
-                                self.where, what, exc, format_duration(self.patience))
-                    said = True
-                time.sleep(min(RETRY_PAUSE_S, max(0.0, self.patience - waited)))
+                away = self.outages.failed(started, what, exc)
+                if away >= self.patience:
+                    raise StoreGone(f"the rendezvous store ({self.where}) did not answer for {format_duration(away)} "
+                                    f"({what}; --store-outage-timeout {format_duration(self.patience)}): "
+                                    f"{exc}") from exc
+                if self._interrupted():
+                    raise StoreGone(f"the rendezvous store ({self.where}) did not answer ({what}: {exc}); stopped "
+                                    f"waiting for it after {format_duration(away)}: this node received a signal") \
+                        from exc
+                time.sleep(min(RETRY_PAUSE_S, self.patience - away))
+                continue
+            self.outages.answered(started, what)
+            return result
 
     def _drop_client(self) -> None:
         store, self._store = self._store, None

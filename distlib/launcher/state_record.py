@@ -9,7 +9,8 @@ wrong with it; the agents then fail the job once with that sentence (rounds.deci
 crashing on the first comparison of a string with a number. Every text is passed through
 ``printable`` on the way in, so no value read from the store can forge a line of output.
 
-The schema (``FORMAT`` 1; every field required but ``cause_at``; no other field):
+The schema (``FORMAT`` 1; every field required but ``cause_at`` and ``outages``, which agents
+before them did not write; no other field):
 
 ==================  =====================================================================
 ``format``          1
@@ -29,6 +30,8 @@ The schema (``FORMAT`` 1; every field required but ``cause_at``; no other field)
 ``cause_at``        a finite number of seconds >= 0 (optional, 0)
 ``history``         [[round 0..``round``, causes, node ids, world size >= 0], ...]
 ``outcome``         text
+``outages``         [[round 0..``round``, start: seconds since the epoch >= 0, seconds >= 0], ...],
+                    at most ``rounds.MAX_OUTAGES`` (optional, [])
 ==================  =====================================================================
 """
 
@@ -39,12 +42,14 @@ import math
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..printable import printable
-from .rounds import FAILED, JOINING, RUNNING, SUCCEEDED, JobState, NodeInfo, RoundRecord
+from .rounds import FAILED, JOINING, MAX_OUTAGES, RUNNING, SUCCEEDED, JobState, NodeInfo, Outage, RoundRecord
 
 FORMAT = 1
 PHASES = (JOINING, RUNNING, SUCCEEDED, FAILED)
 FIELDS = ("format", "min", "max", "max_restarts", "round", "phase", "joined", "expected", "ranks", "waiting",
-          "done", "nodes", "gone", "causes", "cause_at", "history", "outcome")
+          "done", "nodes", "gone", "causes", "cause_at", "history", "outcome", "outages")
+#: Fields a record may lack: agents before them did not write them.
+OPTIONAL = ("cause_at", "outages")
 #: The longest value shown in an error (a record may be large).
 SHOWN = 60
 
@@ -62,6 +67,7 @@ def encode(state: JobState) -> bytes:
         "gone": dict(state.gone), "causes": state.causes, "cause_at": state.cause_at,
         "history": [[r.number, r.causes, r.nodes, r.world_size] for r in state.history],
         "outcome": state.outcome,
+        "outages": [[o.round, o.started, o.seconds] for o in state.outages],
     }
     return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
 
@@ -80,7 +86,7 @@ def decode(raw: bytes) -> JobState:
     unknown = sorted(str(k) for k in data if k not in FIELDS)
     if unknown:
         raise RecordError(f"unknown field(s) {', '.join(printable(k)[:SHOWN] for k in unknown)}")
-    missing = [k for k in FIELDS if k not in data and k != "cause_at"]
+    missing = [k for k in FIELDS if k not in data and k not in OPTIONAL]
     if missing:
         raise RecordError(f"missing field(s) {', '.join(missing)}")
     state = JobState(
@@ -88,8 +94,9 @@ def decode(raw: bytes) -> JobState:
         round=_int(data, "round", 0), phase=_phase(data["phase"]), joined=_names(data, "joined"),
         expected=_names(data, "expected"), ranks=_names(data, "ranks"), waiting=_names(data, "waiting"),
         done=_names(data, "done"), nodes=_nodes(data["nodes"]), gone=_gone(data["gone"]),
-        causes=_texts(data["causes"], "causes"), cause_at=_seconds(data.get("cause_at", 0.0)),
-        history=_history(data["history"]), outcome=_text(data["outcome"], "outcome"))
+        causes=_texts(data["causes"], "causes"), cause_at=_seconds(data.get("cause_at", 0.0), "field 'cause_at'"),
+        history=_history(data["history"]), outcome=_text(data["outcome"], "outcome"),
+        outages=_outages(data.get("outages", [])))
     _check_relations(state)
     return state
 
@@ -153,9 +160,9 @@ def _names(data: Mapping[str, Any], name: str) -> Tuple[str, ...]:
     return names
 
 
-def _seconds(value: Any) -> float:
+def _seconds(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise RecordError(f"field 'cause_at' is {_show(value)}: expected a number of seconds >= 0")
+        raise RecordError(f"{where} is {_show(value)}: expected a number of seconds >= 0")
     return float(value)
 
 
@@ -197,6 +204,21 @@ def _history(value: Any) -> Tuple[RoundRecord, ...]:
     return tuple(records)
 
 
+def _outages(value: Any) -> Tuple[Outage, ...]:
+    if not isinstance(value, list) or len(value) > MAX_OUTAGES:
+        raise RecordError(f"field 'outages' is {_show(value)}: expected a list of at most {MAX_OUTAGES} "
+                          "[round, start, seconds]")
+    out = []
+    for i, entry in enumerate(value):
+        where = f"entry {i} of 'outages'"
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise RecordError(f"{where} is {_show(entry)}: expected [round, start, seconds]")
+        number, started, seconds = entry
+        out.append(Outage(_integer(number, f"the round of {where}", 0), _seconds(started, f"the start of {where}"),
+                          _seconds(seconds, f"the seconds of {where}")))
+    return tuple(out)
+
+
 # -- between fields --------------------------------------------------------------------------------
 
 
@@ -219,6 +241,7 @@ def _check_relations(state: JobState) -> None:
         raise RecordError(f"field 'done' names node {outsiders[0][:SHOWN]!r}, which is not in 'ranks'")
     if state.phase == RUNNING and not state.ranks:
         raise RecordError("field 'phase' is 'running' but 'ranks' is empty: a running round has nodes")
-    late = [r.number for r in state.history if r.number > state.round]
-    if late:
-        raise RecordError(f"'history' records round {late[0]}, after the current round {state.round}")
+    for name, rounds in (("history", [r.number for r in state.history]), ("outages", [o.round for o in state.outages])):
+        late = [r for r in rounds if r > state.round]
+        if late:
+            raise RecordError(f"{name!r} records round {late[0]}, after the current round {state.round}")

@@ -22,20 +22,28 @@ from distlib.slurm.step import port_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
-#: Each task: join through env:// with nothing passed, all_reduce rank+1, say who it is.
+#: torch's variables: a launcher sets them (distlib-run); under srun nobody does, and init
+#: writes none of them (docs/launcher.md#slurm): code asks distlib instead.
+TORCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+#: Each task: join through env:// with nothing passed, all_reduce rank+1, say who it is: what
+#: distlib says (the identity the group was made with, get_node_local_rank) and os.environ.
 ALL_REDUCE = r"""
 import json, os, socket, numpy as np, distlib
 from datetime import timedelta
+from distlib.distributed import get_identity
 distlib.init_process_group("gloo", timeout=timedelta(seconds=60))
 x = np.array([distlib.get_rank() + 1.0])
 distlib.all_reduce(x)
-env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                      "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME", "SLURM_JOB_ID")}
+me = get_identity()
+who = {"local_rank": distlib.get_node_local_rank(), "local_world_size": me.local_world_size,
+       "node_rank": me.node_rank, "master_addr": me.master_addr, "master_port": me.master_port}
+env = {k: os.environ.get(k) for k in %r + ("SLURMD_NODENAME", "SLURM_JOB_ID")}
 # one write per line: under `python -u` (distlib-run's workers) print() writes the newline apart
 os.write(1, ("RESULT " + json.dumps({"rank": distlib.get_rank(), "world": distlib.get_world_size(),
-                                     "sum": float(x[0]), "env": env}) + "\n").encode())
+                                     "sum": float(x[0]), "who": who, "env": env}) + "\n").encode())
 distlib.destroy_process_group()
-"""
+""" % (TORCH_NAMES,)
 
 #: Each task: all_reduce in a loop until a peer goes; then say what the error named.
 LOOP = r"""
@@ -68,7 +76,9 @@ def test_the_cluster_comes_up_within_a_minute(slurm_cluster):
 
 def test_srun_python_init_process_group_with_nothing_set_by_hand(slurm_cluster):
     """4 tasks on 2 nodes: each joins through env:// from srun's variables alone; the sum is
-    right on every rank and torch's variables are what torchrun would have set."""
+    right on every rank, distlib tells each task what torchrun would have set (its local rank,
+    the GPU to pick, through get_node_local_rank; the master through get_identity), and
+    os.environ stays as srun made it: init writes none of torch's variables."""
     code, out = slurm_cluster.exec(["srun", "-N2", "-n4", "-O", "python", "-c", ALL_REDUCE])
     assert code == 0, out
     got = results(out)
@@ -79,9 +89,9 @@ def test_srun_python_init_process_group_with_nothing_set_by_hand(slurm_cluster):
         env = r["env"]
         node = r["rank"] // 2  # block distribution: tasks 0,1 on node01, 2,3 on node02
         assert env["SLURMD_NODENAME"] == f"node0{node + 1}", r
-        assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == (str(r["rank"] % 2), "2",
-                                                                                   str(node)), r
-        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("node01", str(port_for(job, 0))), r
+        assert r["who"] == {"local_rank": r["rank"] % 2, "local_world_size": 2, "node_rank": node,
+                            "master_addr": "node01", "master_port": port_for(job, 0)}, r
+        assert {k: env[k] for k in TORCH_NAMES} == {k: None for k in TORCH_NAMES}, f"os.environ written: {r}"
 
 
 def test_srun_distlib_run_one_launcher_per_node(slurm_cluster):

@@ -80,6 +80,16 @@ def test_gloo_jobs_bind_no_gpu():
     assert C.job_device("cpu:gloo,cuda:nccl", {"LOCAL_RANK": "5"}) == 5
 
 
+def test_under_srun_the_job_binds_the_gpu_of_its_slurm_local_id():
+    """`srun python -m distlib_deploy.jobs.train_dp`, one task per GPU: nobody sets LOCAL_RANK,
+    and init writes none; the task's local id on its node is SLURM_LOCALID."""
+    step = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_PROCID": "6", "SLURM_NTASKS": "8",
+            "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_LOCALID": "2", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+            "SLURM_STEP_NODELIST": "node[01-02]"}
+    assert C.job_device("nccl", step, devices=4) == 2
+    assert C.job_device("nccl", {**step, "LOCAL_RANK": "3"}, devices=4) == 3  # a launcher's word wins
+
+
 def test_notes_warn_when_gpus_and_processes_disagree(chart):
     values = scenario_values("gpu")
     values["nprocPerNode"] = 4

@@ -99,3 +99,38 @@ def store_server():
         yield server.port
 
 
+# -- elastic jobs (tests/launcher/elastic_job.py) ----------------------------------------------------
+
+
+@pytest.fixture(params=["tcp", "file"])
+def endpoint(request, tmp_path):
+    """A rendezvous endpoint: a `distlib store-server` process, or a FileStore file."""
+    if request.param == "file":
+        yield f"file://{tmp_path}/rdzv/store"
+        return
+    with StoreServerProcess("127.0.0.1", env=clean_env()) as server:
+        yield f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def tcp_endpoint():
+    with StoreServerProcess("127.0.0.1", env=clean_env()) as server:
+        yield f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def make_job(tmp_path):
+    """make(endpoint, run id, nnodes, max restarts, ...) -> an elastic_job.Job; every agent killed
+    at the end."""
+    jobs = []
+
+    from .elastic_job import Job  # elastic_job imports this module's helpers
+
+    def make(*args, **kw) -> Job:
+        job = Job(tmp_path, *args, **kw)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.kill_all()

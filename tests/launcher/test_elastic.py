@@ -12,146 +12,19 @@ rendezvous for everyone). The heartbeat bound is 2 s here (0.5 s x 4) so the tes
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import time
-from pathlib import Path
-from typing import Dict, List, Optional
 
 import pytest
 
 from distlib.launcher import rounds as R
-from distlib.launcher.rounds_store import RoundStore
-from distlib.store.file import FileStore
 from distlib.store.tcp.client import TCPStore
-from distlib.store_service import StoreServerProcess
 
 from .conftest import clean_env, launcher_cmd, pid_alive, wait_for
+from .elastic_job import WORKER, round_lines
 
 pytestmark = pytest.mark.timeout(180)
-
-WORKER = str(Path(__file__).with_name("elastic_worker.py"))
-# a 2 s heartbeat bound; the last call (3 s) outlasts it, as the defaults do (30 s > 10 s), so a
-# restart round learns that a silent node is lost before it closes without it
-FAST = "keep_alive_interval=0.5,keep_alive_max_attempt=4,last_call_timeout=3,join_timeout=30"
-
-
-class Job:
-    """Agents of one elastic run; their output in files; everything killed at the end."""
-
-    def __init__(self, tmp: Path, endpoint: str, run_id: str, nnodes: str, max_restarts: int,
-                 conf: str = FAST, **env: str):
-        self.tmp = tmp
-        self.out = tmp / "out"
-        self.mark = tmp / "mark"
-        self.out.mkdir(exist_ok=True)
-        self.mark.mkdir(exist_ok=True)
-        self.args = ["--nnodes", nnodes, "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", endpoint, "--run-id", run_id, "--rdzv-conf", conf, "--grace-period", "2",
-                     "--monitor-interval", "0.05"]
-        self.endpoint = endpoint
-        self.run_id = run_id
-        self.env = clean_env(EW_OUT=str(self.out), EW_MARK=str(self.mark), **env)
-        self.agents: List[subprocess.Popen] = []
-        self.logs: List[Path] = []
-
-    def start(self, count: int = 1, **env: str) -> List[subprocess.Popen]:
-        started = []
-        for _ in range(count):
-            i = len(self.agents)
-            log = self.tmp / f"agent{i}.log"
-            with open(log, "w") as f:
-                proc = subprocess.Popen(launcher_cmd(*self.args, WORKER), env={**self.env, **env}, stdout=f,
-                                        stderr=subprocess.STDOUT)
-            self.agents.append(proc)
-            self.logs.append(log)
-            started.append(proc)
-        return started
-
-    def log(self, agent) -> str:
-        return self.logs[self.agents.index(agent)].read_text()
-
-    def wait(self, agents=None, timeout: float = 90) -> Dict[int, int]:
-        codes = {}
-        for proc in agents or self.agents:
-            try:
-                codes[proc.pid] = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"agent {proc.pid} still running after {timeout} s:\n{self.log(proc)[-3000:]}")
-        return codes
-
-    def started(self, round_: int, count: int, timeout: float = 60) -> Dict[int, int]:
-        """{global rank: agent pid} once ``count`` workers of ``round_`` ran their first all_reduce."""
-        def marks():  # a worker writes started-R-N.tmp, then renames it: only whole marks count
-            return [p for p in self.mark.glob(f"started-{round_}-*") if not p.name.endswith(".tmp")]
-
-        try:
-            wait_for(lambda: len(marks()) >= count, timeout, f"{count} workers of round {round_}")
-        except AssertionError:
-            raise AssertionError("\n".join(self.log(a)[-1500:] for a in self.agents)) from None
-        return {int(p.name.rsplit("-", 1)[1]): int(p.read_text()) for p in marks()}
-
-    def records(self, round_: int) -> Dict[int, dict]:
-        return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in self.out.glob(f"{round_}-*.json")}
-
-    def state(self) -> Optional[R.JobState]:
-        if self.endpoint.startswith("file://"):
-            connect = lambda _s: FileStore(self.endpoint[len("file://"):])  # noqa: E731
-        else:
-            host, port = self.endpoint.split(":")
-            connect = lambda s: TCPStore(host, int(port), None, False, s)  # noqa: E731
-        rounds = RoundStore(connect, self.run_id, 5.0, 10.0)
-        try:
-            return rounds.read()[1]
-        finally:
-            rounds.close()
-
-    def agent_of(self, pid: int) -> subprocess.Popen:
-        return next(a for a in self.agents if a.pid == pid)
-
-    def kill_all(self) -> None:
-        for proc in self.agents:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-
-
-@pytest.fixture(params=["tcp", "file"])
-def endpoint(request, tmp_path):
-    """A rendezvous endpoint: a `distlib store-server` process, or a FileStore file."""
-    if request.param == "file":
-        yield f"file://{tmp_path}/rdzv/store"
-        return
-    with StoreServerProcess("127.0.0.1", env=clean_env()) as server:
-        yield f"127.0.0.1:{server.port}"
-
-
-@pytest.fixture
-def tcp_endpoint():
-    with StoreServerProcess("127.0.0.1", env=clean_env()) as server:
-        yield f"127.0.0.1:{server.port}"
-
-
-@pytest.fixture
-def make_job(tmp_path):
-    jobs = []
-
-    def make(*args, **kw) -> Job:
-        job = Job(tmp_path, *args, **kw)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.kill_all()
-
-
-def round_lines(text: str) -> List[str]:
-    """An agent's lines for the rounds after the first (each round's one line)."""
-    return re.findall(r"^distlib-run: (round [1-9]\d* \(restart .*)$", text, re.M)
-
 
 # -- restarts and the job's count -----------------------------------------------------------------------
 
@@ -320,50 +193,6 @@ def test_sigterm_during_a_restart_takes_only_that_node_out(make_job, endpoint):
     assert any(why.startswith("node left:") and why.endswith("received SIGTERM") for why in state.gone.values())
     assert "leaving the job; the other nodes go on without it" in job.log(leaver)
     assert not pid_alive(leaver.pid)
-
-
-def test_the_store_lost_fails_every_node_naming_it(make_job, tmp_path):
-    server = StoreServerProcess("127.0.0.1", env=clean_env()).start()
-    try:
-        endpoint = f"127.0.0.1:{server.port}"
-        job = make_job(endpoint, "store-lost", "2", 3, EW_STEPS="1000")
-        job.start(2)
-        job.started(0, 2)
-    finally:
-        server.stop()
-    killed_at = time.monotonic()
-    codes = job.wait(timeout=60)
-    assert set(codes.values()) == {1}, codes
-    assert time.monotonic() - killed_at < 30
-    for agent in job.agents:
-        text = job.log(agent)
-        assert re.search(rf"the elastic job cannot go on: the rendezvous store \(TCPStore server {endpoint}\) did not "
-                         r"answer for \S+", text), text[-2000:]
-
-
-def test_a_store_restarted_empty_fails_every_node_naming_it(make_job, tmp_path):
-    """A master service restarted within the heartbeat bound (a Kubernetes Deployment replaces
-    its deleted pod in seconds) answers again, but without the job: every node fails naming the
-    store, no crash on the missing state."""
-    server = StoreServerProcess("127.0.0.1", env=clean_env()).start()
-    port = server.port
-    endpoint = f"127.0.0.1:{port}"
-    job = make_job(endpoint, "store-restarted", "2", 3, EW_STEPS="1000")
-    try:
-        job.start(2)
-        job.started(0, 2)
-    finally:
-        server.stop()
-    with StoreServerProcess("127.0.0.1", port, env=clean_env()):
-        restarted_at = time.monotonic()
-        codes = job.wait(timeout=60)
-    assert set(codes.values()) == {1}, codes
-    assert time.monotonic() - restarted_at < 30
-    for agent in job.agents:
-        text = job.log(agent)
-        assert "launcher/elastic_agent.py" not in text, text[-3000:]  # the agent did not crash
-        assert re.search(rf"the elastic job cannot go on: the rendezvous store \(TCPStore server {endpoint}\) answers "
-                         r"again but no longer holds run 'store-restarted'", text), text[-2000:]
 
 
 def test_nodes_started_with_other_limits_are_refused(make_job, tcp_endpoint, tmp_path):

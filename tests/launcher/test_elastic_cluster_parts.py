@@ -94,3 +94,62 @@ def test_the_rounds_come_from_the_longest_record():
     assert rounds[1][1].startswith("node lost: 5f3a2b1c9d8e (172.18.0.4, pid 7): no heartbeat for 10 s")
     assert rounds[1][2:] == (2, 2)
     assert elastic.GONE.findall(rounds[1][1]) == ["5f3a2b1c9d8e"]
+
+
+def test_the_stores_absences_come_from_the_agents_final_lines():
+    line = ("distlib-run: the rendezvous store (TCPStore server master:29500) was away for 2.6 s in round 0 (from "
+            "2026-11-28 14:02:11 UTC): the job went on in the same round, no restart counted\n")
+    logs = {"a": "[rank0]: training\n" + line, "b": line + line.replace("2.6 s", "9.0 s").replace("14:02", "14:09"),
+            "c": ""}
+    assert elastic.absences_from_logs(logs) == [
+        ("TCPStore server master:29500", "was away for 2.6 s in round 0 (from 2026-11-28 14:02:11 UTC): the job went "
+                                         "on in the same round, no restart counted"),
+        ("TCPStore server master:29500", "was away for 9.0 s in round 0 (from 2026-11-28 14:09:11 UTC): the job went "
+                                         "on in the same round, no restart counted")]
+
+
+class FakeMaster:
+    """A master container as the watch reads it: its State, changed by the test."""
+
+    def __init__(self):
+        self.attrs = {"State": {"Running": True, "Health": {"Status": "healthy"}}}
+
+    def reload(self):
+        pass
+
+    def set(self, running, health, finished="", code=0):
+        self.attrs = {"State": {"Running": running, "Health": {"Status": health}, "FinishedAt": finished,
+                                "ExitCode": code}}
+
+
+def test_the_watch_sees_the_master_away_from_its_exit_to_its_healthcheck():
+    """Killed at 12:00:01.5 (the engine's FinishedAt), seen down at :02, restarting, its
+    healthcheck passing again at :05: one absence of 3.5 s, exit status 137."""
+    from distlib_deploy.cluster.master import MasterWatch
+    from distlib_deploy.cluster.outcome import parse_docker_time
+
+    fake = FakeMaster()
+    watch = MasterWatch(fake)
+    t0 = parse_docker_time("2026-11-28T12:00:00Z").at.timestamp()
+    watch.look(t0)
+    fake.set(False, "unhealthy", "2026-11-28T12:00:01.5Z", 137)
+    watch.look(t0 + 2)
+    fake.set(True, "starting")
+    watch.look(t0 + 3)
+    fake.set(True, "healthy")
+    watch.look(t0 + 5)
+    watch.look(t0 + 6)
+    (away,) = watch.absences
+    assert (away.left, away.seconds, away.status) == (t0 + 1.5, 3.5, 137), away
+    assert away.words() == ("away for 3.5 s: it exited with 137 at 12:00:01 UTC and answered its healthcheck 3.5 s "
+                            "later (restarted by Compose)")
+    fake.set(True, "starting", "2026-11-28T12:00:07.25Z", 0)  # restarted before the watch looked
+    watch.look(t0 + 8)
+    fake.set(True, "healthy", "2026-11-28T12:00:07.25Z", 0)
+    watch.look(t0 + 9)
+    assert (watch.absences[-1].left, watch.absences[-1].seconds, watch.absences[-1].status) == (t0 + 7.25, 1.75, None)
+    assert "it exited or stopped answering at 12:00:07 UTC" in watch.absences[-1].words()
+    fake.set(False, "unhealthy", "2026-11-28T12:00:09.5Z", 1)
+    watch.look(t0 + 10)
+    assert watch.stop()[-1].seconds is None  # never back while watched
+    assert "did not answer its healthcheck again" in watch.absences[-1].words()

@@ -96,3 +96,23 @@ def test_an_elastic_launch_without_a_token_warns_what_it_exposes(tmp_path, store
             "reaches them can join and send objects that are unpickled; the store also holds this elastic job's "
             "rounds: anyone who reaches it can end the job or use up its restarts: set DISTLIB_AUTH_TOKEN_FILE") \
         in done.stderr, done.stderr
+
+
+def test_the_store_outage_bound_is_60_s_unless_the_flag_or_its_variable_says_otherwise():
+    """--store-outage-timeout, its variable DISTLIB_STORE_OUTAGE_TIMEOUT, and --dry-run's line."""
+    from tests.launcher.conftest import clean_env, run_launcher
+
+    base = ("--dry-run", "--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "master:29500", "train.py")
+    rows = {}
+    for name, args, env in (("default", (), {}), ("flag", ("--store-outage-timeout", "90"), {}),
+                            ("variable", (), {"DISTLIB_STORE_OUTAGE_TIMEOUT": "45"})):
+        done = run_launcher(*args, *base, env=clean_env(**env))
+        assert done.returncode == 0, done.stderr
+        rows[name] = next(line.strip() for line in done.stdout.splitlines() if line.strip().startswith("store outage"))
+    assert rows["default"].split()[3:5] == ["60", "s"], rows
+    assert rows["flag"].split()[3:5] == ["90", "s"] and rows["variable"].split()[3:5] == ["45", "s"], rows
+    assert "--store-outage-timeout" in rows["default"]
+    bad = run_launcher(*base, env=clean_env(DISTLIB_STORE_OUTAGE_TIMEOUT="soon"))
+    assert bad.returncode == 2 and "--store-outage-timeout: not a number of seconds: 'soon'" in bad.stderr, bad.stderr
+    with pytest.raises(ResolveError, match="--store-outage-timeout must be 0 or more seconds"):
+        elastic_plan(res(nnodes="2:3", rdzv_backend="c10d", rdzv_endpoint="m:1"), 0, 0.1, None, float("nan"))

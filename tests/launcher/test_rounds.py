@@ -3,6 +3,8 @@ store: a state and a view in, an action out."""
 
 from __future__ import annotations
 
+import pytest
+
 from distlib.launcher import rounds as R
 from distlib.launcher.state_record import decode, encode
 
@@ -71,6 +73,41 @@ def test_a_restart_round_closes_as_soon_as_every_survivor_has_joined():
     assert action.kind is R.Kind.WRITE and action.state.phase == R.RUNNING
     assert action.state.causes[0].startswith("node lost: host-a")  # the root cause first
     assert action.state.causes[1] == "worker failed"
+
+
+def test_the_last_call_does_not_close_a_round_before_an_absent_nodes_heartbeat_has_spoken():
+    """Node c is killed; its peers' workers fail at once, and a and b join round 1 a moment
+    after c's last beat. With a last call as long as the heartbeat bound (4 s each), the last
+    call ran out first and c was named as a straggler after the workers its death made fail
+    (a container run on a FileStore). c is judged by its heartbeat first: lost, named first."""
+    state = joined(R.restart(running(), 0, ("worker failed: rank 0 on a exited with code 1",), at=100.0), "a", "b")
+    quick = dict(now=4.5, opened=0.0, min_at=0.2, bound=4.0, last_call=4.0)
+    action = act(state, "a", silent={"a": 0.1, "b": 0.2, "c": 3.9}, heard=frozenset("ab"), **quick)
+    assert action.kind is R.Kind.WAIT, f"closed while c's heartbeat was still within the bound: {action}"
+    action = act(state, "a", silent={"a": 0.1, "b": 0.2, "c": 4.2}, heard=frozenset("ab"), **quick)
+    assert action.kind is R.Kind.WRITE and action.text.startswith("node lost: host-c"), action
+    closing = act(action.state, "a", silent={"a": 0.1, "b": 0.2}, heard=frozenset("ab"), **quick)
+    assert closing.kind is R.Kind.WRITE and closing.state.phase == R.RUNNING, closing
+    assert [c.split(":")[0] for c in closing.state.causes] == ["node lost", "worker failed"], closing.state.causes
+
+
+def test_the_last_call_closes_without_a_node_that_beats_but_does_not_join():
+    state = joined(R.restart(running(), 0, ("worker failed",)), "a", "b")
+    quick = dict(now=4.5, opened=0.0, min_at=0.2, bound=4.0, last_call=4.0, silent={"a": 0.1, "b": 0.2, "c": 0.3})
+    action = act(state, "a", heard=frozenset("abc"), **quick)
+    assert action.kind is R.Kind.WRITE and action.state.phase == R.RUNNING, action
+    assert action.state.causes[0].startswith("node did not come back: host-c"), action.state.causes
+    assert act(state, "a", heard=frozenset("abc"), **{**quick, "now": 4.1}).kind is R.Kind.WAIT  # the last call
+
+
+def test_a_lost_node_stays_first_when_an_earlier_worker_exit_is_reported_after_it():
+    """c's worker exit (t=100.3) opened round 1, then node b was found lost, then a's worker exit
+    at t=100.0 is reported: it goes before c's worker exit, and after the lost node."""
+    state = R.restart(running(), 0, ("worker failed: rank 4 on c",), at=100.3)
+    state = R.drop(state, "b", "node lost: host-b: no heartbeat for 4 s")
+    late = R.restart(state, 0, ("worker failed: rank 0 on a",), at=100.0)
+    assert late.causes == ("node lost: host-b: no heartbeat for 4 s", "worker failed: rank 0 on a",
+                           "worker failed: rank 4 on c"), late.causes
 
 
 def test_a_joining_node_is_told_to_stop_workers_of_the_old_round_first():
@@ -331,3 +368,30 @@ def test_the_agent_writes_only_what_decide_made():
     assert not called & transitions, f"the agent makes states itself: {sorted(called & transitions)}"
     writes = [ast.unparse(c) for c in calls if c.func.attr in ("write", "update", "compare_set", "set", "add")]
     assert writes == ["rounds.write(raw, action.state)"], writes
+
+
+# -- the store away: ridden out, recorded once --------------------------------------------------------
+
+
+def test_an_absence_of_the_store_is_recorded_once_whichever_nodes_saw_it():
+    """Three agents saw the master away, each on its own clock and polling: one record, the span
+    of their sightings; a later absence is a second record."""
+    state = running()
+    first = R.note_outage(state, R.Outage(0, 1000.0, 5.0))
+    assert first.outages == (R.Outage(0, 1000.0, 5.0),) and first.round == 0 and first.phase == R.RUNNING
+    both = R.note_outage(first, R.Outage(0, 1000.4, 5.3))
+    assert both.outages == (R.Outage(0, 1000.0, pytest.approx(5.7)),), both.outages
+    assert R.note_outage(both, R.Outage(0, 1001.0, 2.0)) is both and R.outage_noted(both, R.Outage(0, 1001.0, 2.0))
+    again = R.note_outage(both, R.Outage(0, 2000.0, 1.0))
+    assert [o.started for o in again.outages] == [1000.0, 2000.0]
+
+
+def test_a_node_back_from_the_stores_absence_records_it_and_goes_on_in_the_same_round():
+    state = running()
+    away = R.Outage(0, 1000.0, 5.0)
+    action = act(state, "a", running=0, outage=away)
+    assert action.kind is R.Kind.WRITE and action.state.outages == (away,), action
+    assert action.state.round == 0 and action.state.phase == R.RUNNING, "no restart for an absence ridden out"
+    assert act(action.state, "a", running=0, outage=away).kind is R.Kind.KEEP
+    assert R.rounds_text(action.state)[-1].startswith("the store was away for 5.0 s in round 0 (from 1970-01-01 "
+                                                      "00:16:40 UTC): the job went on in the same round")

@@ -68,6 +68,20 @@ def test_a_node_whose_heartbeat_key_stays_foreign_goes_silent():
     assert live.silent(12.0)["b"] == 0.0
 
 
+def test_a_node_is_heard_only_once_its_counter_moves_between_two_readings_after_the_time():
+    """The first sight of a counter says nothing of whether the node still beats, nor does a move
+    seen in the first reading after the round opened (t=2.0): that beat may be from before it,
+    from a node killed a moment before (the Compose cluster's FileStore run: its survivors
+    rejoined 50 ms after the kill)."""
+    live = Liveness()
+    live.observe({"a": 4, "b": 9}, now=1.0)
+    assert live.heard_since(0.0) == frozenset()
+    live.observe({"a": 5, "b": 10}, now=2.5)  # both moved between 1.0 and 2.5: maybe before 2.0
+    assert live.heard_since(0.0) == frozenset("ab") and live.heard_since(2.0) == frozenset()
+    live.observe({"a": 6, "b": 10}, now=3.0)  # a moved between 2.5 and 3.0: after 2.0
+    assert live.heard_since(2.0) == frozenset("a")
+
+
 def test_the_heartbeat_thread_replaces_a_foreign_value(stores):
     rounds, raw = stores
     heart = Heartbeat(rounds, "a", 60.0).start()

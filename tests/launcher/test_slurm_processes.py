@@ -28,20 +28,23 @@ TORCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "TORCHELASTIC_RUN_ID")
 
 #: A task's job: join the default group through env:// (nothing passed), all_reduce, and say
-#: what it was told: its identity as distlib reads it, and os.environ's torch variables afterwards.
+#: what it was told: the identity its group was made with, the job report's rendezvous line, and
+#: os.environ's torch variables afterwards.
 JOB = """
 import json, os, numpy as np, distlib
-from distlib.identity import Identity
+from distlib.distributed import get_identity
+from distlib_deploy.jobs._common import describe_init
 distlib.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=40))
 x = np.array([distlib.get_rank() + 1.0])
 distlib.all_reduce(x)
-me = Identity.read()
+me = get_identity()
 identity = {"rank": me.rank, "world_size": me.world_size, "local_rank": me.local_rank,
             "local_world_size": me.local_world_size, "node_rank": me.node_rank, "master_addr": me.master_addr,
             "master_port": me.master_port, "run_id": me.run_id}
 seen = {k: os.environ.get(k) for k in %r}
 print("RESULT " + json.dumps({"rank": distlib.get_rank(), "world": distlib.get_world_size(), "sum": float(x[0]),
-                              "local": distlib.get_node_local_rank(), "identity": identity, "env": seen}), flush=True)
+                              "local": distlib.get_node_local_rank(), "identity": identity, "env": seen,
+                              "report": describe_init("env://")}), flush=True)
 distlib.destroy_process_group()
 """ % (TORCH_NAMES,)
 
@@ -84,8 +87,9 @@ def results(procs: List[subprocess.Popen], timeout: float = 90) -> List[dict]:
 def test_srun_python_shape_env_init_with_nothing_set_by_hand():
     """4 tasks on 2 "nodes" (both this machine, node list `localhost,localhost`), as srun -N2 -n4
     starts them: every rank joins, the all_reduce is right, each task's identity is what
-    torchrun would have told it (local ranks 0,1,0,1; the first host and the job's port), and
-    os.environ is left as srun made it (distlib writes none of torch's variables)."""
+    torchrun would have told it (local ranks 0,1,0,1; the first host and the job's port), the
+    train_dp report names that master, and os.environ is left as srun made it (distlib writes
+    none of torch's variables)."""
     job = free_slurm_job_id()
     layout = [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]  # (procid, nodeid, localid): block distribution
     procs = [subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -101,6 +105,7 @@ def test_srun_python_shape_env_init_with_nothing_set_by_hand():
                                  "run_id": f"slurm-{job}.0"}, r
         assert r["local"] == localid, r
         assert r["env"] == {name: None for name in TORCH_NAMES}, f"rank {procid} had os.environ written: {r}"
+        assert r["report"] == f"env:// with rank 0 hosting the store at localhost:{port}", r
 
 
 def test_srun_python_shape_says_where_each_value_came_from():

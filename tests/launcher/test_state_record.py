@@ -45,6 +45,7 @@ STEPS = st.one_of(
     st.tuples(st.just("drop"), st.sampled_from("abcde")),
     st.tuples(st.just("finish"), st.sampled_from("abcde")),
     st.tuples(st.just("fail"), st.text(max_size=20)),
+    st.tuples(st.just("outage"), st.tuples(st.floats(0, 2e9), st.floats(0, 1e4))),
 )
 
 
@@ -60,6 +61,8 @@ def apply(state: R.JobState, step) -> R.JobState:
         return R.drop(state, arg, f"node lost: {arg}")
     if what == "finish":
         return R.finish_node(state, arg, state.round)
+    if what == "outage":
+        return R.note_outage(state, R.Outage(state.round, *arg))
     return R.fail(state, arg)
 
 
@@ -103,6 +106,10 @@ def replace_texts(state: R.JobState) -> R.JobState:
     ({"nodes": {"a": ["host-a", "10.0.0.1", 100, 0, None]}}, "the worker count of node 'a' in 'nodes' is 0"),
     ({"nodes": {"a": ["host-a", "10.0.0.1", 100]}}, "node 'a' in 'nodes' is [\"host-a\", \"10.0.0.1\", 100]"),
     ({"history": [[9, [], ["a"], 2]]}, "'history' records round 9, after the current round 0"),
+    ({"outages": [[0, 1.5e9]]}, "entry 0 of 'outages' is [0, 1500000000.0]: expected [round, start, seconds]"),
+    ({"outages": [[0, 1.5e9, -1]]}, "the seconds of entry 0 of 'outages' is -1: expected a number of seconds >= 0"),
+    ({"outages": [[1, 1.5e9, 3.0]]}, "'outages' records round 1, after the current round 0"),
+    ({"outages": [[0, 1.0, 1.0]] * 21}, "expected a list of at most 20 [round, start, seconds]"),
     ({"format": 2}, "format 2, expected 1"),
     ({"extra": 1}, "unknown field(s) extra"),
 ])

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from distlib import command
 from ..jobs import mpi_rank
 from distlib.command import ToolError
-from . import auth_token, elastic, engine, gpus, outcome, slurm, ssh_keys, stall, state
+from . import auth_token, elastic, engine, gpus, master, outcome, slurm, ssh_keys, stall, state
 from .config import LABEL, OWNER_LABEL, Settings, find_root, new_run_id, project_name
 
 PROG = "distlib cluster"
@@ -183,6 +183,7 @@ def up(cfg: Settings) -> int:
         _check_gpus(cfg, client)
     started = time.monotonic()
     run, workers = _start(cfg, client, compose)
+    watch = master.MasterWatch(master.find(client, run.project)).start() if cfg.mode == "tcp" else None
     # Whose exit ends the job: the workers, or in MODE=mpi the launcher (its mpirun), after which
     # the workers (sshd only) are stopped.
     job = engine.project_containers(client, run.project, "launcher") if cfg.mode == "mpi" else \
@@ -198,6 +199,8 @@ def up(cfg: Settings) -> int:
         return 130
     if follower:
         follower.stop(grace=1.0)  # the last lines
+    for away in watch.stop() if watch else ():
+        say(f"the master service was {away.words()}")
     status, held, stopped = 0, [], set()
     if not finished:
         say(f"the job ran past CLUSTER_TIMEOUT={cfg.timeout_s:g}s: stopping the " +
@@ -422,6 +425,18 @@ def down(cfg: Settings, quiet_if_none: bool = False) -> int:
     return 1 if problems else 0
 
 
+def kill(cfg: Settings, node: str) -> int:
+    """`make cluster-kill NODE=2` (a worker: elastic.kill) or NODE=master (the master service,
+    restarted by Compose: master.kill)."""
+    if node.strip() != master.SERVICE:
+        return elastic.kill(cfg.state_dir, node)
+    run = state.load(cfg.state_dir)
+    if run is None:
+        raise ToolError(f"no cluster run recorded in {cfg.state_dir} (make cluster-up starts one)")
+    say(master.kill(engine.connect(), run.project))
+    return 0
+
+
 # -- logs, ps, report, config -------------------------------------------------------------------
 
 
@@ -555,7 +570,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.action == "report":
             return report(cfg, as_json=args.json)
         if args.action == "kill":
-            return elastic.kill(cfg.state_dir, os.environ.get("NODE", ""))
+            return kill(cfg, os.environ.get("NODE", ""))
         return config(cfg)
 
     return command.run("cluster", body)

@@ -1,5 +1,6 @@
 """Elastic runs of the Compose cluster: ``MIN_NODES``/``MAX_RESTARTS`` (compose/elastic.yml),
-``distlib cluster kill`` (``make cluster-kill NODE=2``), and the rounds in the run's report.
+``distlib cluster kill`` (``make cluster-kill NODE=2``), and the rounds (and the absences of
+the store the job rode out) in the run's report.
 ``MAX_NODES`` (default ``NODES``) leaves room for worker containers started later, which join
 at the next round.
 
@@ -27,6 +28,9 @@ PASSED_ON = ("RDZV_CONF", "CHECKPOINT_EVERY", "STEP_SECONDS")
 #: An agent's line for a round (distlib/launcher/rounds.py round_line).
 ROUND_LINE = re.compile(r"distlib-run: round (\d+) \(restart \d+ of at most \d+\): (.*); now (\d+) node\(s\), "
                         r"world size (\d+)")
+#: An agent's line for an absence of the store the job rode out (rounds.outage_text).
+AWAY_LINE = re.compile(r"distlib-run: the rendezvous store \((.*?)\) (was away for [\d.]+ s in round \d+ \(from [^)]*\): "
+                       r"the job went on in the same round, no restart counted)")
 #: The ways a cause names a node that left the job.
 GONE = re.compile(r"node (?:lost|left|did not come back): (\S+) \(")
 
@@ -121,6 +125,17 @@ def rounds_from_logs(logs: Dict[str, str]) -> List[Tuple[int, str, int, int]]:
     return best
 
 
+def absences_from_logs(logs: Dict[str, str]) -> List[Tuple[str, str]]:
+    """(store, words) of each absence of the store the job rode out, as the agents listed them
+    at the end (every node lists the same records: the longest list among them)."""
+    best: List[Tuple[str, str]] = []
+    for text in logs.values():
+        found = list(dict.fromkeys((m.group(1), m.group(2)) for m in AWAY_LINE.finditer(text)))
+        if len(found) > len(best):
+            best = found
+    return best
+
+
 def conclude(workers: List[Any], judged: List[Any]) -> List[Any]:
     """Print the rounds; return ``judged`` without the workers the job declared gone."""
     for w in workers:
@@ -140,6 +155,8 @@ def conclude(workers: List[Any], judged: List[Any]) -> List[Any]:
     say(f"elastic: the job's rounds ({len(record)}):")
     for number, causes, nodes, world in record:
         print(f"cluster:   round {number}: {named(causes)} -> {nodes} node(s), world size {world}", file=sys.stderr)
+    for store, words in absences_from_logs(logs):
+        say(f"elastic: the rendezvous store ({store}) {words}")
     gone = {host for _n, causes, _k, _w in record for host in GONE.findall(causes)}
     lost = [w for w in judged if _hostname(w) in gone]
     for w in lost:

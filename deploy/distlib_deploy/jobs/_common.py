@@ -59,15 +59,16 @@ def runs_nccl(backend: str) -> bool:
 
 
 def job_device(backend: str, env: Mapping[str, str], devices: Optional[int] = None) -> Optional[int]:
-    """The GPU a job's process binds its group to: ``LOCAL_RANK`` (0 without one) when the
-    backend runs NCCL, else None (a launcher starts one process per GPU of its node). With
+    """The GPU a job's process binds its group to: ``LOCAL_RANK`` (``SLURM_LOCALID`` in an srun
+    step; 0 without either) when the backend runs NCCL, else None (a launcher starts one process per GPU of its node). With
     more processes than visible GPUs, LOCAL_RANK modulo their number (torch's fallback; ranks
     of one communicator sharing a GPU need NCCL_HOSTID, see docs/gpu.md). ``devices``: the
     visible GPUs (None: ask cupy; 0: none known, LOCAL_RANK as is)."""
     if not runs_nccl(backend):
         return None
-    text = env.get("LOCAL_RANK", "").strip()
-    local = int(text) if text.isdigit() else 0
+    from distlib.identity import Identity
+
+    local = Identity.read(env).local_rank or 0  # LOCAL_RANK, or SLURM_LOCALID in an srun step
     if devices is None:
         from distlib.backends import cupy_env
 
@@ -129,13 +130,17 @@ def device_name() -> str:
 
 
 def describe_init(url: str) -> str:
-    """The init method in words, for the report."""
+    """The init method in words, for the report. env://'s master is the one the group was made
+    with (distlib.distributed.get_identity): under srun it comes from Slurm's variables, and
+    init writes nothing back into os.environ."""
     if url == MPI_INIT:
         return "mpirun: rank and world size from MPI_COMM_WORLD (no store)"
     if url.startswith("env://"):
-        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        external = settings.external_store()
-        return (f"env:// through the master service at {where}" if external
+        from distlib.distributed import get_identity
+
+        who = get_identity()
+        where = f"{who.master_addr or '?'}:{who.master_port if who.master_port is not None else '?'}"
+        return (f"env:// through the master service at {where}" if who.external_store
                 else f"env:// with rank 0 hosting the store at {where}")
     if url.startswith("file://"):
         return f"file:// FileStore {urlparse(url).path}"

@@ -51,7 +51,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from distlib import settings
+from distlib.distributed import get_identity
 
 from ..sizes import format_size, parse_sizes
 from . import _common as C
@@ -379,7 +379,8 @@ def run(args: argparse.Namespace) -> int:
     flat = model.flat()
     dist.broadcast(flat, src=0)
     model.load_flat(flat)
-    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    who = get_identity()  # as the group was made: under srun, nothing is in os.environ
+    restart_count = who.restart_count
     if rank == 0:  # the first collective of this start (the elastic measurement reads this line)
         C.say(f"train_dp: first collective done: restart {restart_count}, world size {world}, unix {time.time():.3f}")
     resumed = resume(dist, args.checkpoint, model, xp)
@@ -441,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
     init_times = [f["init_s"] for f in facts]
     report = {
         "ok": identical,
-        "run": {"run_id": settings.run_id(),
+        "run": {"run_id": who.run_id,
                 "world_size": world, "nodes": len({f["host"] for f in facts}),
                 "backend": str(dist.get_backend()), "init_method": url, "init": C.describe_init(url)},
         "rendezvous": {"max_s": max(init_times), "min_s": min(init_times), "per_rank_s": init_times},
@@ -453,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
         "bandwidth": bandwidth,
         "weights": {"identical": identical, "sha256": hexes},
         "elastic": {"restart_count": restart_count,
-                    "max_restarts": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
+                    "max_restarts": who.max_restarts,
                     "checkpoint": args.checkpoint, "resumed_from_step": start_step if resumed else None},
         "elapsed_s": time.monotonic() - started,
     }
@@ -478,7 +479,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return run(args)
     except Exception as exc:  # noqa: BLE001 - one clear line, then the traceback
-        rank = os.environ.get("RANK", "?")
+        rank = get_identity().rank
+        rank = "?" if rank is None else rank
         C.say(f"train_dp: rank {rank} on {socket.gethostname()} FAILED: {C.error_name(exc)}: {exc}", sys.stderr)
         traceback.print_exc()
         return 1
