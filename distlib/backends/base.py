@@ -129,7 +129,7 @@ class BackendBase(abc.ABC):
         """
         return HostObjectArrays
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional: a backend holding nothing inherits the no-op
         """Release sockets, threads, shared memory and communicators (destroy_process_group).
 
         Operations already issued keep their results: a backend whose operations can still be

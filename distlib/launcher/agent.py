@@ -295,7 +295,7 @@ def _supervise(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: fl
             stop_workers(workers, sig, grace, signals)
             return 128 + int(sig)
         codes = [w.poll() for w in workers]
-        failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+        failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
         if failed:
             first = min(failed, key=lambda w: w.global_rank)
             stop_workers(workers, signal.SIGTERM, grace, signals)

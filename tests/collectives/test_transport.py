@@ -15,7 +15,7 @@ def test_port_range_confines_data_ports(tmp_path):
     low = max(20000, min(low, 60000))
     results = spawn(group_cases.port_range_init, 2, str(tmp_path / "s"), low, low + 50)
     ports = []
-    for code, (status, value) in results:
+    for _code, (status, value) in results:
         assert status == "ok", value
         ports.append(value[0])
         assert value[1] == 2.0
@@ -32,7 +32,7 @@ def test_busy_port_range_names_it(tmp_path):
 
 def test_two_interfaces_round_robin(tmp_path):
     results = spawn(group_cases.two_interfaces, 2, str(tmp_path / "s"))
-    for code, (status, value) in results:
+    for _code, (status, value) in results:
         assert status == "ok", value
         meshes, sums = value
         assert meshes == 2 and sums == [1.0, 3.0, 5.0, 7.0]

@@ -181,7 +181,7 @@ class MPIBackend(CommBackend):
         if not self.hosts:
             return f"group {self.label} (ranks {_ranges(self.global_ranks)})"
         by_host: Dict[str, List[int]] = {}
-        for global_rank, host in zip(self.global_ranks, self.hosts):
+        for global_rank, host in zip(self.global_ranks, self.hosts, strict=False):
             by_host.setdefault(host, []).append(global_rank)
         where = ", ".join(f"{_ranges(ranks)} on {host}" for host, ranks in by_host.items())
         return f"group {self.label} (ranks {where})"
@@ -320,7 +320,7 @@ class MPIBackend(CommBackend):
         staged_out = np.empty(sum(recv_counts), dtype)
         self._alltoallv("all_to_all", staged_in, send_counts, staged_out, recv_counts)
         offset = 0
-        for out, count in zip(outputs, recv_counts):
+        for out, count in zip(outputs, recv_counts, strict=True):
             self._flat(out)[...] = staged_out[offset:offset + count]
             offset += count
 
