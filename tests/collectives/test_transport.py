@@ -2,6 +2,8 @@
 
 import socket
 
+import pytest
+
 from distlib.backends.gloo.transport import address
 
 from . import cases, group_cases
@@ -127,3 +129,12 @@ def test_ranks_crowded_onto_one_cpu_fix_their_receive_buffers_and_still_reduce_c
             assert buffers == [expected] and oks == [True, True], (buffers, oks)
     finally:
         pool.close()
+
+
+def test_listening_on_an_address_this_host_lacks_names_it():
+    """Any port (no DISTLIB_PORT_RANGE): the bind fails for the address, which the error names
+    (it was a TypeError about the missing port range)."""
+    from distlib import DistNetworkError
+
+    with pytest.raises(DistNetworkError, match=r"cannot listen on 192\.0\.2\.1 \(errno \d+: .*\): is it an address"):
+        address.listen("192.0.2.1", None, 1)  # TEST-NET-1: never an address of this host
