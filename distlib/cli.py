@@ -52,7 +52,7 @@ def _store_server(args: argparse.Namespace) -> int:
     try:
         security = _security(args)
         if not args.ping:
-            security.server_tls  # load the certificate now: a bad file is a start-up error
+            _ = security.server_tls  # load the certificate now: a bad file is a start-up error
         client_limits = ClientLimits(args.max_connections, args.max_connections_per_host,
                                      args.max_wait_keys_per_client, args.max_wait_keys)
     except ValueError as exc:

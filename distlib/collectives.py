@@ -22,7 +22,7 @@ import numpy as np
 
 from . import observers
 from .arrays import check_array, check_array_list, check_one_device, same_dtype
-from .backends.base import STREAM_ORDERED, BackendBase, RecvHandle
+from .backends.base import STREAM_ORDERED, AnyBackend, RecvHandle
 from .distributed import _resolve, warn_not_in_group
 from .errors import DistBackendError
 from .group import ProcessGroup
@@ -30,7 +30,7 @@ from .reduce_op import ReduceOp, as_reduce_op, check_op_for_dtype
 from .work import Future, HostWork, Work
 
 
-def _run(pg: ProcessGroup, backend: BackendBase, op_name: str, async_op: bool, result: Optional[List[Any]],
+def _run(pg: ProcessGroup, backend: AnyBackend, op_name: str, async_op: bool, result: Optional[List[Any]],
          fn: Callable[..., Any], *args: Any) -> Optional[Work]:
     """``fn(*args)`` (one of ``backend``'s methods), by the backend's declared kind.
 
@@ -70,7 +70,7 @@ def _peer(pg: ProcessGroup, rank: Optional[int], group_rank: Optional[int], what
     return pg.group_rank_of(int(rank))
 
 
-def _backend(pg: ProcessGroup, array, *others) -> BackendBase:
+def _backend(pg: ProcessGroup, array, *others) -> AnyBackend:
     """The backend for the device of the operation's arrays (all on one kind), wrapped to stage
     device arrays through host memory where it does (gloo and mpi with cupy arrays)."""
     if type(array) is np.ndarray and not others:  # the common case: no device lookup, no staging
@@ -315,6 +315,9 @@ def monitored_barrier(group=None, timeout: Optional[timedelta] = None, wait_all_
         return warn_not_in_group("monitored_barrier")
     timeout = timeout if timeout is not None else pg.timeout
     backend = pg.backend_for("cpu")
+    if backend.kind is STREAM_ORDERED:
+        raise NotImplementedError(f"backend {backend.name!r} does not implement monitored_barrier: it is the "
+                                  "host-synchronous kind's (gloo, mpi)")
     return _run(pg, backend, "monitored_barrier", False, None, backend.monitored_barrier, timeout, wait_all_ranks)
 
 

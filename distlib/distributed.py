@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Dict, List, Optional
 
 from .backends import cupy_env
-from .backends.base import BackendBase
+from .backends.base import AnyBackend, CommBackend, StreamOrderedBackend
 from .backends.nccl.devices import parse_device_id
 from .backends.registry import Backend, backend_config, config_string
 from .deadline import format_duration
@@ -126,7 +126,7 @@ def _config_for(backend: Optional[str]) -> Dict[str, str]:
 
 def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, label: str,
                     group_name: str, global_ranks: List[int], pg_options, device_id=None,
-                    identity: Identity = Identity()) -> BackendBase:
+                    identity: Identity = Identity()) -> AnyBackend:
     """The backend ``name`` of one group; gloo and nccl get this process's ``identity`` (its node
     and local rank): no backend reads the launcher's variables itself."""
     if name == Backend.GLOO:
@@ -152,7 +152,7 @@ def _create_backend(name: str, store, rank: int, size: int, timeout: timedelta, 
             backend = plugin.creator_fn(options, pg_options)
         else:
             backend = plugin.creator_fn(_needs_store(store, name), rank, size, timeout)
-        if not isinstance(backend, BackendBase):
+        if not isinstance(backend, (CommBackend, StreamOrderedBackend)):  # BackendBase alone is neither kind
             raise TypeError(f"the creator of backend {name!r} returned {type(backend).__name__}, "
                             f"not a distlib.CommBackend (or distlib.StreamOrderedBackend)")
         return backend
@@ -185,9 +185,9 @@ def _new_process_group(name: str, global_ranks: List[int], group_rank: int, stor
     """Create the backends of one group (the group's store is ``store/<name>/``)."""
     group_store = _prefixed(name + "/", store)
     size = len(global_ranks)
-    backends: Dict[str, BackendBase] = {}
+    backends: Dict[str, AnyBackend] = {}
     names = set(config.values())
-    created: List[BackendBase] = []
+    created: List[AnyBackend] = []
     try:
         if len(names) == 1:
             device, backend_name = next(iter(config.items()))

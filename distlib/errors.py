@@ -30,6 +30,10 @@ class DistNetworkError(DistError):
 class DistBackendError(DistError):
     """A collective failed: a peer died or disconnected, or the ranks disagreed on the call."""
 
+    #: True when only one peer's connection is gone (gloo's transport sets it: the cause, an
+    #: ABORT naming the first failure, may still arrive on another connection)
+    connection_lost: bool = False
+
 
 class QueueEmptyError(DistStoreError):
     """``queue_pop(key, block=False)`` found the queue empty."""

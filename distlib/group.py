@@ -12,7 +12,7 @@ import threading
 from datetime import timedelta
 from typing import Dict, List, Optional
 
-from .backends.base import BackendBase
+from .backends.base import AnyBackend
 from .errors import DistBackendError
 from .identity import Identity
 from .store.base import Store
@@ -26,7 +26,7 @@ class ProcessGroup:
     bound_device_id: Optional[int] = None
 
     def __init__(self, name: str, global_ranks: List[int], group_rank: int, store, backend_name: str,
-                 backends: Dict[str, BackendBase], timeout: timedelta):
+                 backends: Dict[str, AnyBackend], timeout: timedelta):
         self.group_name = name
         self._ranks = list(global_ranks)
         self._rank = group_rank
@@ -65,7 +65,7 @@ class ProcessGroup:
                              f"of size {len(self._ranks)}")
         return self._ranks[group_rank]
 
-    def backend_for(self, device: str) -> BackendBase:
+    def backend_for(self, device: str) -> AnyBackend:
         backend = self.backends.get(device)
         if backend is None:
             have = ", ".join(f"{d}:{b.name}" for d, b in self.backends.items()) or "none"

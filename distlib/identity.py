@@ -211,7 +211,7 @@ def _from_slurm(env: Mapping[str, str], values: Dict[str, Value], sources: Dict[
         if reading.error:
             problems[name] = f"{reading.error} (Slurm's variables of this srun task)"
         elif reading.value is not None:
-            values[name] = reading.value  # type: ignore[assignment]
+            values[name] = reading.value
             sources[name] = f"{variable}={reading.value}, from {reading.source} (srun)"
             from_slurm[name] = reading.source
         elif name not in _WITH_RANK:

@@ -105,7 +105,7 @@ def bind_listener(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> socket
     port is taken.
     """
     wildcard = host in WILDCARD_HOSTS
-    attempts = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")] if wildcard else []
+    attempts: List[Tuple[int, str]] = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")] if wildcard else []
     if not wildcard:
         try:
             attempts = _passive_addresses(host, port)
@@ -126,11 +126,12 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 
 def _passive_addresses(host: str, port: int) -> List[Tuple[int, str]]:
     infos = socket.getaddrinfo(lookup_name(host), port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
-    seen, out = set(), []
+    seen: set = set()
+    out: List[Tuple[int, str]] = []
     for info in infos:
         if info[4][0] not in seen:
             seen.add(info[4][0])
-            out.append((info[0], info[4][0]))
+            out.append((info[0], str(info[4][0])))  # an IP address: str already (typeshed allows int)
     return out
 
 

@@ -109,7 +109,7 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
     sizes, longest, padded = _padded_to_longest(pg, group, kit, obj)
     outputs = [kit.put(np.empty(longest, np.uint8)) for _ in range(pg.size())] if pg.rank() == root else None
     C.gather(kit.put(padded), outputs, group_dst=root, group=group)
-    if pg.rank() == root:
+    if outputs is not None and object_gather_list is not None:  # the destination (checked above)
         for k in range(pg.size()):
             object_gather_list[k] = _from_array(kit.get(outputs[k]), int(sizes[k]))
 

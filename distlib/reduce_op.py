@@ -11,7 +11,7 @@ factor first (``_make_nccl_premul_sum(factor)``, as torch spells it).
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import ClassVar, Optional, Union
 
 import numpy as np
 
@@ -28,13 +28,28 @@ class RedOpType(enum.IntEnum):
     PREMUL_SUM = 8
 
 
+#: The enum under a name the class body below does not shadow (ReduceOp.RedOpType is torch's).
+_OpType = RedOpType
+
+
 class ReduceOp:
     """torch.distributed.ReduceOp: ``ReduceOp.SUM`` etc.; compare with ``==``."""
 
     RedOpType = RedOpType
 
-    def __init__(self, op: "RedOpType | ReduceOp", factor: Optional[float] = None):
-        self.op = RedOpType(op.op if isinstance(op, ReduceOp) else op)
+    # one instance per member, set after the class (below)
+    SUM: ClassVar["ReduceOp"]
+    AVG: ClassVar["ReduceOp"]
+    PRODUCT: ClassVar["ReduceOp"]
+    MIN: ClassVar["ReduceOp"]
+    MAX: ClassVar["ReduceOp"]
+    BAND: ClassVar["ReduceOp"]
+    BOR: ClassVar["ReduceOp"]
+    BXOR: ClassVar["ReduceOp"]
+    PREMUL_SUM: ClassVar["ReduceOp"]
+
+    def __init__(self, op: Union[_OpType, "ReduceOp"], factor: Optional[float] = None):
+        self.op: _OpType = RedOpType(op.op if isinstance(op, ReduceOp) else op)
         self.factor = factor
 
     def __eq__(self, other) -> bool:
@@ -72,13 +87,21 @@ def _make_nccl_premul_sum(factor: float) -> ReduceOp:
 
 
 def as_reduce_op(op) -> ReduceOp:
+    """``op`` as a ReduceOp; PREMUL_SUM only with its factor (a missing one would scale by NaN)."""
     if isinstance(op, ReduceOp):
+        if op.op is RedOpType.PREMUL_SUM and op.factor is None:
+            raise ValueError(_NO_FACTOR)
         return op
-    if isinstance(op, RedOpType):
-        return ReduceOp(op)
-    if isinstance(op, str) and op.upper() in RedOpType.__members__:
-        return ReduceOp(RedOpType[op.upper()])
+    if isinstance(op, RedOpType) or (isinstance(op, str) and op.upper() in RedOpType.__members__):
+        member = op if isinstance(op, RedOpType) else RedOpType[op.upper()]
+        if member is RedOpType.PREMUL_SUM:
+            raise ValueError(_NO_FACTOR)
+        return ReduceOp(member)
     raise TypeError(f"op must be a distlib.ReduceOp (e.g. ReduceOp.SUM), got {op!r}")
+
+
+_NO_FACTOR = ("ReduceOp.PREMUL_SUM needs its factor: pass distlib._make_nccl_premul_sum(factor) (torch's "
+              "constructor), not ReduceOp.PREMUL_SUM itself")
 
 
 def check_op_for_dtype(op: ReduceOp, dtype: np.dtype, what: str = "the array") -> None:

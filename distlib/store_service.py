@@ -64,7 +64,7 @@ class StoreServerProcess:
         endpoint, the time and the last thing that went wrong) when it does not."""
         deadline = time.monotonic() + timeout
         fixed = self.port != 0
-        last = "it was never started"
+        last: Optional[str] = "it was never started"
         for _attempt in range(1 if fixed else START_ATTEMPTS):
             port = self.port if fixed else free_port(self.host)
             self._spawn(port)
@@ -72,7 +72,7 @@ class StoreServerProcess:
             if last is None:
                 self.port = port
                 return self
-            exited = self.proc.poll() is not None
+            exited = self._started().poll() is not None
             self.stop()
             if not exited or time.monotonic() >= deadline:
                 break  # alive but silent, or out of time: another port would not help
@@ -85,6 +85,11 @@ class StoreServerProcess:
         self.proc = subprocess.Popen(self.command(port), env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=self._log)
 
+    def _started(self) -> subprocess.Popen:
+        if self.proc is None:
+            raise RuntimeError("the store server process was not started (StoreServerProcess.start)")
+        return self.proc
+
     def _wait_answering(self, port: int, deadline: float) -> Optional[str]:
         """None once the server answers a PING; else why it did not before ``deadline``. The
         port is probed with plain connects until something listens (so that the store
@@ -94,8 +99,8 @@ class StoreServerProcess:
 
         last, listening = "no answer", False
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return f"it exited with status {self.proc.returncode}"
+            if self._started().poll() is not None:
+                return f"it exited with status {self._started().returncode}"
             if not listening:
                 try:
                     socket.create_connection((self.host, port), timeout=0.2).close()

@@ -149,7 +149,7 @@ class HostWork:
         """
         seconds = None if timeout is None else (
             timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout))
-        if not self._future._event.wait(seconds):
+        if not self._future._event.wait(seconds) and seconds is not None:  # without one it returns True
             raise DistBackendError(
                 f"Work.wait timed out after {format_duration(seconds)}: {self.op_name} has not finished")
         if self._future._error is not None:

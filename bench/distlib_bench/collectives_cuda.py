@@ -406,7 +406,7 @@ class CudaCollectivesBench(CollectivesBench):
             headers += [f"{SHORT[impl]} (us/call)"] + (["ratio"] if impl == self.reference else [])
         headers.append("held to the end")
         table = Table(headers, "l" + "r" * (len(headers) - 2) + "l")
-        for calls, in_flight, row in self.per_call_rows:
+        for _calls, in_flight, row in self.per_call_rows:
             cells = [row.name]
             for impl in [DISTLIB, *others]:
                 cells.append(self._value_text(row, impl))

@@ -77,10 +77,10 @@ class Table:
         widths = [len(h) for h in self.headers]
         for row in self.rows:
             if row is not None:
-                widths = [max(w, len(c)) for w, c in zip(widths, row)]
+                widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
 
         def line(cells: Sequence[str]) -> str:
-            parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, self.align)]
+            parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, self.align, strict=True)]
             return "  ".join(parts).rstrip()
 
         rule = "  ".join("-" * w for w in widths)

@@ -119,7 +119,7 @@ def paired_ratio(numerators: Sequence[float], denominators: Sequence[float], res
     ratio within each pair cancels the drift that separate medians keep. The fixed seed makes
     a report reproducible from its own numbers.
     """
-    ratios = [a / b for a, b in zip(numerators, denominators) if a > 0 and b > 0]
+    ratios = [a / b for a, b in zip(numerators, denominators, strict=False) if a > 0 and b > 0]
     if not ratios:
         nan = float("nan")
         return PairedRatio(nan, nan, nan, 0)

@@ -91,7 +91,7 @@ def worker(timeout: float = 20.0) -> int:
     print(f"{world} processes met through the master service at "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} (keys under distlib/run/"
           f"{settings.run_id()}/); what each published, and whom it read back:")
-    rows = [[r["rank"], r["local_rank"], r["host"], r["pid"], ",".join(map(str, s))] for r, s in zip(peers, seen)]
+    rows = [[r["rank"], r["local_rank"], r["host"], r["pid"], ",".join(map(str, s))] for r, s in zip(peers, seen, strict=False)]
     print(table(["rank", "local", "host", "pid", "ranks it read"], rows), flush=True)
     if missing:
         print(f"ranks {missing} did not read every peer", file=sys.stderr)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import enum
 from datetime import timedelta
-from typing import Any, ClassVar, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Final, List, Literal, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -41,8 +41,8 @@ class BackendKind(enum.Enum):
     STREAM_ORDERED = "stream-ordered"
 
 
-HOST_SYNCHRONOUS = BackendKind.HOST_SYNCHRONOUS
-STREAM_ORDERED = BackendKind.STREAM_ORDERED
+HOST_SYNCHRONOUS: Final = BackendKind.HOST_SYNCHRONOUS
+STREAM_ORDERED: Final = BackendKind.STREAM_ORDERED
 
 
 def refused_after_failure(label: str, rank: int, first: BaseException) -> DistBackendError:
@@ -107,7 +107,7 @@ class BackendBase(abc.ABC):
     def _unsupported(self, op: str) -> NotImplementedError:
         return NotImplementedError(f"backend {self.name!r} does not implement {op}")
 
-    def for_array(self, array) -> "BackendBase":
+    def for_array(self, array) -> AnyBackend:
         """What runs one operation, issued now, on ``array``.
 
         Args:
@@ -117,7 +117,8 @@ class BackendBase(abc.ABC):
             The backend itself, or a wrapper for that one operation (gloo and mpi stage cupy
             arrays through host memory, see cuda_staging.py).
         """
-        return self
+        # every backend is one of the two kinds (the registry refuses anything else)
+        return cast(AnyBackend, self)
 
     def object_arrays(self) -> Any:
         """Where object collectives (broadcast_object_list, ...) keep their pickled bytes.
@@ -129,7 +130,7 @@ class BackendBase(abc.ABC):
         """
         return HostObjectArrays
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional: a backend holding nothing inherits the no-op
         """Release sockets, threads, shared memory and communicators (destroy_process_group).
 
         Operations already issued keep their results: a backend whose operations can still be
@@ -165,7 +166,7 @@ class CommBackend(BackendBase):
         NotImplementedError: the backend does not implement the operation (the default).
     """
 
-    kind = HOST_SYNCHRONOUS
+    kind: ClassVar[Literal[BackendKind.HOST_SYNCHRONOUS]] = HOST_SYNCHRONOUS
 
     def broadcast(self, array: np.ndarray, root: int) -> None:
         """Args: ``array`` (the root's data; written on the others), ``root`` (group rank)."""
@@ -269,7 +270,7 @@ class StreamOrderedBackend(BackendBase):
             destroy): the text is the failure's, the same for every later call.
     """
 
-    kind = STREAM_ORDERED
+    kind: ClassVar[Literal[BackendKind.STREAM_ORDERED]] = STREAM_ORDERED
 
     def broadcast(self, array, root: int) -> Work:
         """Args: ``array`` (the root's data; written on the others), ``root`` (group rank)."""
@@ -357,3 +358,7 @@ class StreamOrderedBackend(BackendBase):
             event: a device event recorded by this backend (a Work's completion).
         """
         raise self._unsupported("stream_waits_for")
+
+
+#: A backend of either kind: what a group holds and what collectives.py dispatches on ``kind``.
+AnyBackend = Union[CommBackend, StreamOrderedBackend]

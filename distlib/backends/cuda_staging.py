@@ -168,7 +168,7 @@ class HostStaged(CommBackend):
     def shutdown(self) -> None:
         """Nothing: the wrapper lives for one operation; the group shuts its backend down."""
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: Optional[str] = None) -> None:
         """Nothing, as shutdown."""
 
 

@@ -23,7 +23,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..deadline import Deadline, format_duration
 from ..errors import DistNetworkError, DistStoreError
@@ -43,11 +43,11 @@ _PROCESS_TAG = secrets.token_hex(8)
 _DUPLICATES = "join/duplicates"
 
 
-def local_facts(identity: Identity = Identity()) -> Dict[str, object]:
+def local_facts(identity: Identity = Identity()) -> Dict[str, Any]:
     """What a rank says about itself (helps name the missing ones and a duplicate claimant):
     its host and process, and its node and the ranks per node where its identity says them
     (given by the backend's creator: a backend reads no launcher variable)."""
-    facts: Dict[str, object] = {"hostname": socket.gethostname(), "pid": os.getpid(), "process": _PROCESS_TAG}
+    facts: Dict[str, Any] = {"hostname": socket.gethostname(), "pid": os.getpid(), "process": _PROCESS_TAG}
     if identity.node_rank is not None:
         facts["node"] = identity.node_rank
     if identity.local_world_size is not None:
@@ -63,7 +63,7 @@ def _duplicate_key(number: int) -> str:
     return f"join/duplicate/{number}"
 
 
-def claimant(record: Dict[str, object]) -> str:
+def claimant(record: Dict[str, Any]) -> str:
     """``host <name> pid <n>``: who a join record says it is."""
     return f"host {record.get('hostname', '?')} pid {record.get('pid', '?')}"
 
@@ -97,8 +97,8 @@ def read_duplicates(store) -> List[str]:
     return found
 
 
-def publish_and_gather(store, rank: int, size: int, record: Dict[str, object], deadline: Deadline,
-                       label: str) -> List[Dict[str, object]]:
+def publish_and_gather(store, rank: int, size: int, record: Dict[str, Any], deadline: Deadline,
+                       label: str) -> List[Dict[str, Any]]:
     """Claim ``rank`` with ``record``; return every rank's record, in rank order.
 
     ValueError at once when another process holds the rank. A store that goes away at any
@@ -117,7 +117,7 @@ def publish_and_gather(store, rank: int, size: int, record: Dict[str, object], d
         raise DistStoreError(_lost_store_text(store, deadline, label, arrivals, exc)) from None
 
 
-def claim(store, rank: int, record: Dict[str, object], label: str) -> None:
+def claim(store, rank: int, record: Dict[str, Any], label: str) -> None:
     """Write this rank's join record unless another process has claimed the rank (ValueError
     naming both, after recording the duplicate for the group's timeout error)."""
     mine = json.dumps(record)
@@ -200,7 +200,7 @@ def _lost_store_text(store, deadline: Deadline, label: str, arrivals: Arrivals, 
 
 
 def _timeout_error(store, size: int, deadline: Deadline, label: str, arrivals: Arrivals) -> DistStoreError:
-    records: Dict[int, Dict[str, object]] = {}
+    records: Dict[int, Dict[str, Any]] = {}
     for r in range(size):
         if store.check([_key(r)]):
             try:
@@ -217,7 +217,7 @@ def _timeout_error(store, size: int, deadline: Deadline, label: str, arrivals: A
         f"logs.")
 
 
-def describe_missing(missing: List[int], records: Dict[int, Dict[str, object]]) -> str:
+def describe_missing(missing: List[int], records: Dict[int, Dict[str, Any]]) -> str:
     sizes = {rec.get("local_world_size") for rec in records.values() if rec.get("local_world_size")}
     per_node: Optional[int] = sizes.pop() if len(sizes) == 1 else None
     hosts_of_node: Dict[int, set] = {}
@@ -239,7 +239,7 @@ def describe_missing(missing: List[int], records: Dict[int, Dict[str, object]]) 
     return "; ".join(parts)
 
 
-def describe_joined(records: Dict[int, Dict[str, object]], limit: int = 8) -> str:
+def describe_joined(records: Dict[int, Dict[str, Any]], limit: int = 8) -> str:
     items = []
     for r in sorted(records)[:limit]:
         rec = records[r]

@@ -67,7 +67,8 @@ class Backend(str):
             Backend.backend_list.append(lower)
         if devices is None:
             warnings.warn(f"Device capability of {name} unspecified, assuming `cpu` and `cuda`. "
-                          f"Please specify it via the `devices` argument of `register_backend`.")
+                          f"Please specify it via the `devices` argument of `register_backend`.",
+                          stacklevel=2)  # at the caller of register_backend
             Backend.backend_capability[lower] = ["cpu", "cuda"]
         elif isinstance(devices, str):
             Backend.backend_capability[lower] = [devices]
@@ -90,7 +91,8 @@ def backend_config(backend: str, available_devices: List[str]) -> Dict[str, str]
     if ":" not in backend:
         if backend in Backend.backend_capability:
             return {device: str(backend) for device in Backend.backend_capability[backend]}
-        warnings.warn(f"Device capability of {backend} unknown, assuming `cpu` and `cuda`.")
+        # at the caller of init_process_group or new_group (through distributed._config_for)
+        warnings.warn(f"Device capability of {backend} unknown, assuming `cpu` and `cuda`.", stacklevel=4)
         return {"cpu": str(backend), "cuda": str(backend)}
     result: Dict[str, str] = {}
     for piece in backend.lower().split(","):

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..deadline import Deadline, format_duration
 from .output import STDERR, STDOUT, OutputSpec, Pump, console_for, read_error_file, write_lines
@@ -143,13 +143,14 @@ class Worker:
         if self.error_file:
             os.makedirs(os.path.dirname(self.error_file), exist_ok=True)
             env["TORCHELASTIC_ERROR_FILE"] = self.error_file
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             list(self.argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=_child_setup(os.getpid()) if _PRCTL else None,
         )
         threading.Thread(target=self._reap, name=f"distlib-run-reap-{self.local_rank}", daemon=True).start()
         prefix = self.output.prefix(self.global_rank, self.local_rank, self.role)
-        for stream, pipe in ((STDOUT, self.proc.stdout), (STDERR, self.proc.stderr)):
+        for stream, pipe in ((STDOUT, proc.stdout), (STDERR, proc.stderr)):
+            assert pipe is not None, "stdout and stderr are PIPEs"
             shown, path = self.output.destinations(stream, self.local_rank, self.attempt)
             fd = os.dup(pipe.fileno())
             pipe.close()
@@ -158,8 +159,15 @@ class Worker:
 
     def _reap(self) -> None:
         """Wait for the process and note when it exited (poll() answers None until then)."""
-        self.proc.wait()
+        self.started.wait()
         self.exited_at = time.time()
+
+    @property
+    def started(self) -> subprocess.Popen:
+        """The worker's process; RuntimeError before start()."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc
 
     def poll(self) -> Optional[int]:
         return self.proc.poll() if self.proc is not None else None
@@ -186,7 +194,7 @@ class Signals:
 
     def __init__(self):
         self.received: List[int] = []
-        self._previous: Dict[int, object] = {}
+        self._previous: Dict[int, Any] = {}  # what signal.signal returned: a handler, SIG_DFL or SIG_IGN
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -232,16 +240,17 @@ def stop_workers(workers: Sequence[Worker], sig: int, grace: float, signals: Opt
     reap = Deadline(REAP_S)
     for w in left:
         try:
-            w.proc.wait(reap.remaining())
+            w.started.wait(reap.remaining())
         except subprocess.TimeoutExpired:
-            log.error("%s (pid %d) did not exit %s after SIGKILL", w.name, w.proc.pid, format_duration(REAP_S))
+            log.error("%s (pid %d) did not exit %s after SIGKILL", w.name, w.started.pid, format_duration(REAP_S))
 
 
 def failure_report(worker: Worker, where: str, others: Sequence[Worker]) -> str:
     """The report of a failed worker: ``where`` names its node (``node 1 of 2``)."""
     code = worker.poll()
+    assert code is not None, "a failed worker has exited"
     lines = [f"worker failed: {worker.name} on {where} {describe_status(code)}",
-             f"command: {' '.join(worker.argv)} (pid {worker.proc.pid})"]
+             f"command: {' '.join(worker.argv)} (pid {worker.started.pid})"]
     recorded = read_error_file(worker.error_file)
     if recorded:
         lines.append(f"its error file ({worker.error_file}, written by @record): {recorded}")
@@ -251,9 +260,10 @@ def failure_report(worker: Worker, where: str, others: Sequence[Worker]) -> str:
         lines.extend(f"  | {line}" for line in tail)
     else:
         lines.append("its stderr was empty")
-    also = [w for w in others if w is not worker and w.poll() not in (None, 0) and not w.stopped_by_us]
+    also = [(w, c) for w in others if w is not worker and (c := w.poll()) is not None and c != 0
+            and not w.stopped_by_us]
     if also:
-        lines.append("also failed on their own: " + "; ".join(f"{w.name} {describe_status(w.poll())}" for w in also))
+        lines.append("also failed on their own: " + "; ".join(f"{w.name} {describe_status(c)}" for w, c in also))
     stopped = [w for w in others if w.stopped_by_us]
     if stopped:
         lines.append("stopped the other worker(s): " + ", ".join(
@@ -275,7 +285,7 @@ def run_workers(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: f
             say(f"could not start {w.name}: {' '.join(w.argv)}: {exc}")
             stop_workers(started, signal.SIGTERM, grace)
             return 1
-        log.debug("started %d worker(s): pids %s", len(started), ", ".join(str(w.proc.pid) for w in started))
+        log.debug("started %d worker(s): pids %s", len(started), ", ".join(str(w.started.pid) for w in started))
         status = _supervise(started, node_rank, nnodes, grace, signals)
         out_deadline = Deadline(STREAM_JOIN_S)
         for w in started:
@@ -295,7 +305,7 @@ def _supervise(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: fl
             stop_workers(workers, sig, grace, signals)
             return 128 + int(sig)
         codes = [w.poll() for w in workers]
-        failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+        failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
         if failed:
             first = min(failed, key=lambda w: w.global_rank)
             stop_workers(workers, signal.SIGTERM, grace, signals)
@@ -304,7 +314,9 @@ def _supervise(workers: Sequence[Worker], node_rank: int, nnodes: int, grace: fl
             for w in workers:
                 w.join_output(Deadline(0.5))
             say(failure_report(first, f"node {node_rank} of {nnodes}", workers))
-            return exit_status(first.poll()) or 1
+            code = first.poll()
+            assert code is not None, "a failed worker has exited"
+            return exit_status(code) or 1
         if all(c == 0 for c in codes):
             return 0
         time.sleep(POLL_S)

@@ -69,6 +69,13 @@ class Candidate:
     convention: str
     error: Optional[str] = None
 
+    @property
+    def text(self) -> str:
+        """``value``, for a candidate without an error (which always has one)."""
+        if self.value is None:
+            raise ValueError(f"{self.field} from {self.source}: {self.error or 'no value'}")
+        return self.value
+
 
 @dataclass
 class Convention:
@@ -139,7 +146,8 @@ def pod_rank(env: Mapping[str, str]) -> Convention:
             "ranks from an outer launcher, not a pod's rank (is distlib-run running inside another "
             "launcher's worker?)")
         return conv
-    if _int(rank) is None or _int(rank) < 0:
+    rank_number = _int(rank)
+    if rank_number is None or rank_number < 0:
         conv.add("node_rank", None, "RANK", f"RANK={rank!r} is not a non-negative integer")
     else:
         conv.add("node_rank", rank, "RANK (the pod's rank)")
@@ -308,8 +316,9 @@ def volcano(env: Mapping[str, str], hostname: Optional[str] = None) -> Conventio
             conv.add("nnodes", str(len(hosts)), f"the number of hosts in VC_{task}_HOSTS")
     else:
         nums = [_int(num) if num is not None else len(hosts) for _, hosts, num in tasks]
-        if all(n is not None for n in nums):
-            conv.add("nnodes", str(sum(nums)), " + ".join(f"VC_{t}_NUM" for t, _, _ in tasks))
+        known = [n for n in nums if n is not None]
+        if len(known) == len(nums):
+            conv.add("nnodes", str(sum(known)), " + ".join(f"VC_{t}_NUM" for t, _, _ in tasks))
     if all_hosts:
         conv.add("master_addr", all_hosts[0], f"the first host of {names[0]}")
     me = _label(hostname) if hostname else None

@@ -212,7 +212,7 @@ class ElasticAgent:
         if not self.workers or self.running_round is None:
             return None, False
         codes = [w.poll() for w in self.workers]
-        failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0) and not w.stopped_by_us]
+        failed = [w for w, c in zip(self.workers, codes, strict=True) if c not in (None, 0) and not w.stopped_by_us]
         if failed:
             now = time.time()
             first = min(failed, key=lambda w: (w.exited_at or now, w.global_rank))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .resolve import Resolved, ResolveError
 
@@ -80,7 +80,7 @@ def parse_rdzv_conf(text: Optional[str], source: str = "flag --rdzv-conf") -> Tu
     notes: List[str] = []
     if not text or not text.strip():
         return conf, notes
-    values = {}
+    values: Dict[str, Any] = {}  # RdzvConf field -> value: keep_alive_max_attempt a count, the rest seconds
     for item in text.split(","):
         item = item.strip()
         if not item:

@@ -86,7 +86,7 @@ def is_local_host(host: str) -> bool:
     except socket.gaierror:
         return False
     for family, _type, _proto, _name, addr in infos:
-        ip = addr[0]
+        ip = str(addr[0])  # an IP address (typeshed allows an int for other families)
         if ip.startswith("127.") or ip == "::1":
             return True
         try:

@@ -27,7 +27,7 @@ import glob
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, overload
 
 from .. import settings
 from ..cpus import usable_cpus
@@ -297,6 +297,16 @@ def _flag(field_name: str, text: Optional[str], label: Optional[str] = None) -> 
     return Candidate(field_name, text, f"flag {label or FLAG_NAMES[field_name]}", "flag")
 
 
+@overload
+def _pick(field_name: str, flag: Optional[Candidate], readings: List[conv.Convention],
+          default: str, extra: Tuple[Candidate, ...] = ()) -> _Pick: ...
+
+
+@overload
+def _pick(field_name: str, flag: Optional[Candidate], readings: List[conv.Convention],
+          default: None, extra: Tuple[Candidate, ...] = ()) -> Optional[_Pick]: ...
+
+
 def _pick(field_name: str, flag: Optional[Candidate], readings: List[conv.Convention],
           default: Optional[str], extra: Tuple[Candidate, ...] = ()) -> Optional[_Pick]:
     """The winning candidate for ``field_name`` and the ones it beat (flag, conventions, default)."""
@@ -367,18 +377,18 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
     else:
         pick = _pick("nnodes", _flag("nnodes", flags.nnodes), readings, "1")
         chosen = _use(pick)
-        low, high = parse_nnodes_range(chosen.value, chosen.source)
+        low, high = parse_nnodes_range(chosen.text, chosen.source)
         nnodes = Value(high, chosen.source)
         min_nodes = Value(low, chosen.source)
-        _compare(pick, _nnodes_shown(low, high), lambda c: _nnodes_shown(*parse_nnodes_range(c.value, c.source)),
+        _compare(pick, _nnodes_shown(low, high), lambda c: _nnodes_shown(*parse_nnodes_range(c.text, c.source)),
                  "nnodes", True, notes, warnings)
 
     # nproc-per-node
     pick = _pick("nproc_per_node", _flag("nproc_per_node", flags.nproc_per_node), readings, "1")
     chosen = _use(pick)
-    nproc = parse_nproc(chosen.value, chosen.source, probe, environ)
+    nproc = parse_nproc(chosen.text, chosen.source, probe, environ)
     if chosen.convention == "flag":
-        _compare(pick, nproc.value, lambda c: parse_nproc(c.value, c.source, probe, environ).value,
+        _compare(pick, nproc.value, lambda c: parse_nproc(c.text, c.source, probe, environ).value,
                  "nproc-per-node", False, notes, warnings)
 
     # backend
@@ -387,10 +397,10 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
     else:
         pick = _pick("rdzv_backend", _flag("rdzv_backend", flags.rdzv_backend), readings, "static")
         chosen = _use(pick)
-        name = chosen.value.strip().lower()
+        name = chosen.text.strip().lower()
         if name not in BACKENDS:
             raise ResolveError(
-                f"rendezvous backend {chosen.value!r} (from {chosen.source}) is not supported: use static "
+                f"rendezvous backend {chosen.text!r} (from {chosen.source}) is not supported: use static "
                 "(rank 0 hosts the store) or c10d (a distlib store-server at --rdzv-endpoint)")
         backend = Value(name, chosen.source)
 
@@ -408,9 +418,9 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
     # run id
     pick = _pick("run_id", _flag("run_id", flags.run_id), readings, DEFAULT_RUN_ID)
     chosen = _use(pick)
-    _check_expanded(chosen.value, "the run id", chosen.source)
-    run_id = Value(chosen.value, chosen.source)
-    _compare(pick, run_id.value, lambda c: c.value, "run id", False, notes, warnings)
+    _check_expanded(chosen.text, "the run id", chosen.source)
+    run_id = Value(chosen.text, chosen.source)
+    _compare(pick, run_id.value, lambda c: c.text, "run id", False, notes, warnings)
 
     # init method: the job's own (e.g. the Helm chart's file mode); no TCP store then
     init_method = None
@@ -451,10 +461,10 @@ def resolve(flags: Flags, environ: Mapping[str, str], probe: Optional[Probe] = N
 def _file_endpoint(flags: Flags, readings: List[conv.Convention], backend: Value) -> Optional[Value]:
     """``--rdzv-endpoint file:///path`` (c10d): the path of the FileStore that holds the rendezvous."""
     pick = _pick("rdzv_endpoint", _flag("rdzv_endpoint", flags.rdzv_endpoint), readings, None)
-    if pick is None or pick.chosen.error or not pick.chosen.value.strip().lower().startswith("file:"):
+    if pick is None or pick.chosen.error or not pick.chosen.text.strip().lower().startswith("file:"):
         return None
     chosen = pick.chosen
-    text = chosen.value.strip()
+    text = chosen.text.strip()
     _check_expanded(text, "the rendezvous endpoint", chosen.source)
     if backend.value != "c10d":
         raise ResolveError(f"rendezvous endpoint {text!r} (from {chosen.source}) is a file: it needs --rdzv-backend "
@@ -484,11 +494,11 @@ def _resolve_master(flags: Flags, readings: List[conv.Convention], backend: Valu
                 "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]: where the distlib store-server "
                 "(the master service) listens")
         chosen = _use(endpoint_pick)
-        host, port = parse_endpoint(chosen.value, chosen.source)
+        host, port = parse_endpoint(chosen.text, chosen.source)
         for name in ("master_addr", "master_port"):
             if getattr(flags, name) is not None:
                 warnings.append(f"{FLAG_NAMES[name]} is only used with --rdzv-backend static; the c10d "
-                                f"workers use the endpoint {chosen.value}")
+                                f"workers use the endpoint {chosen.text}")
         port_value = Value(port if port is not None else DEFAULT_ENDPOINT_PORT,
                            chosen.source if port is not None else "default for an endpoint without a port")
         return Value(_strip_brackets(host), chosen.source), port_value
@@ -497,7 +507,7 @@ def _resolve_master(flags: Flags, readings: List[conv.Convention], backend: Valu
     ep_host = ep_port = None
     if endpoint_pick is not None:
         chosen = _use(endpoint_pick)
-        host, port = parse_endpoint(chosen.value, chosen.source)
+        host, port = parse_endpoint(chosen.text, chosen.source)
         ep_host = Candidate("master_addr", host, chosen.source, chosen.convention)
         if port is not None:
             ep_port = Candidate("master_port", str(port), chosen.source, chosen.convention)
@@ -521,24 +531,24 @@ def _resolve_master(flags: Flags, readings: List[conv.Convention], backend: Valu
 
     addr_pick = _Pick(addr_found[0], addr_found[1:])
     chosen = _use(addr_pick)
-    _check_expanded(chosen.value, "the master address", chosen.source)
-    addr = Value(_strip_brackets(chosen.value.strip()), chosen.source)
-    _both_flags_agree(addr_pick, addr.value, lambda c: _strip_brackets(c.value.strip()), "master address")
-    _compare(addr_pick, addr.value, lambda c: _strip_brackets(c.value.strip()), "master address", False, notes,
+    _check_expanded(chosen.text, "the master address", chosen.source)
+    addr = Value(_strip_brackets(chosen.text.strip()), chosen.source)
+    _both_flags_agree(addr_pick, addr.value, lambda c: _strip_brackets(c.text.strip()), "master address")
+    _compare(addr_pick, addr.value, lambda c: _strip_brackets(c.text.strip()), "master address", False, notes,
              warnings)
 
     port_pick = _Pick(port_found[0], port_found[1:])
     chosen = _use(port_pick)
-    port = Value(_parse_int(chosen.value, "the master port", chosen.source, 0, 65535), chosen.source)
-    parse_port = lambda c: _parse_int(c.value, "the master port", c.source, 0, 65535)  # noqa: E731
-    _both_flags_agree(port_pick, port.value, parse_port, "master port")
-    _compare(port_pick, port.value, parse_port, "master port", False, notes, warnings)
-    if port.value == 0:
+    master_port = Value(_parse_int(chosen.text, "the master port", chosen.source, 0, 65535), chosen.source)
+    parse_port = lambda c: _parse_int(c.text, "the master port", c.source, 0, 65535)  # noqa: E731
+    _both_flags_agree(port_pick, master_port.value, parse_port, "master port")
+    _compare(port_pick, master_port.value, parse_port, "master port", False, notes, warnings)
+    if master_port.value == 0:
         raise ResolveError(
-            f"master port 0 (from {port.source}) cannot work with --rdzv-backend static: every worker must "
+            f"master port 0 (from {master_port.source}) cannot work with --rdzv-backend static: every worker must "
             "know rank 0's port in advance. Pick a port, or use --standalone / --rdzv-backend c10d "
             "--rdzv-endpoint 127.0.0.1:0 on a single node")
-    return addr, port
+    return addr, master_port
 
 
 def _both_flags_agree(pick: _Pick, value: Any, parse: Callable[[Candidate], Any], label: str) -> None:
@@ -558,7 +568,7 @@ def _resolve_node_rank(flags: Flags, readings: List[conv.Convention], nnodes: Va
         return Value(0, "flag --standalone")
     pick = _pick("node_rank", _flag("node_rank", flags.node_rank), readings, "0")
     chosen = _use(pick)
-    text = chosen.value.strip()
+    text = chosen.text.strip()
     if text.lower() == "auto":
         if chosen.convention != "flag":
             raise ResolveError(f"node rank 'auto' is only accepted as a flag (got it from {chosen.source})")
@@ -576,6 +586,6 @@ def _resolve_node_rank(flags: Flags, readings: List[conv.Convention], nnodes: Va
             + ("; pass --nnodes (an Indexed Job does not tell its pods the number of completions)"
                if nnodes.source == "default" else ""))
     value = Value(rank, chosen.source)
-    _compare(pick, rank, lambda c: _parse_int(c.value.strip(), "the node rank", c.source, 0), "node rank", True,
+    _compare(pick, rank, lambda c: _parse_int(c.text.strip(), "the node rank", c.source, 0), "node rank", True,
              notes, [])
     return value

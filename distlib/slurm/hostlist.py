@@ -134,6 +134,6 @@ def _expand_item(item: str, text: str) -> List[str]:
     order = list(range(len(groups) - 2, -1, -1)) + [len(groups) - 1] if groups else []
     names = []
     for chosen in itertools.product(*(numbers[i] for i in order)):
-        picked = dict(zip(order, chosen))
+        picked = dict(zip(order, chosen, strict=True))
         names.append("".join(prefix + picked[i] for i, (prefix, _ranges) in enumerate(groups)) + suffix)
     return names

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, Optional, Tuple, TypeVar
 
 from .hostlist import HostlistError, expand
 
@@ -40,20 +40,23 @@ TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 _REPEAT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
 
+T = TypeVar("T")
+
+
 class SlurmError(ValueError):
     """Slurm's variables cannot describe this task (the message names them)."""
 
 
 @dataclass(frozen=True)
-class Reading:
+class Reading(Generic[T]):
     """One value Slurm's variables give: ``value`` (None when they give none) and ``source``
     (the variables, as ``NAME=value``); ``error`` instead of a value when they contradict."""
 
-    value: Optional[object]
+    value: Optional[T]
     source: str
     error: Optional[str] = None
 
-    def get(self) -> object:
+    def get(self) -> Optional[T]:
         """The value; SlurmError when the variables contradict each other."""
         if self.error:
             raise SlurmError(self.error)
@@ -110,9 +113,9 @@ class Step:
 
     def __init__(self, env: Mapping[str, str]):
         self.env = env
-        self._cache: Dict[str, Reading] = {}
+        self._cache: Dict[str, Reading[Any]] = {}
 
-    def _once(self, name: str, make: Callable[[], Reading]) -> Reading:
+    def _once(self, name: str, make: Callable[[], Reading[T]]) -> Reading[T]:
         if name not in self._cache:
             try:
                 self._cache[name] = make()
@@ -131,8 +134,8 @@ class Step:
     # -- counts ----------------------------------------------------------------------------------
 
     @property
-    def world_size(self) -> Reading:
-        def make() -> Reading:
+    def world_size(self) -> Reading[int]:
+        def make() -> Reading[int]:
             for name in ("SLURM_NTASKS", "SLURM_NPROCS"):
                 value, source = self._int(name, 1)
                 if value is not None:
@@ -141,8 +144,8 @@ class Step:
         return self._once("world_size", make)
 
     @property
-    def rank(self) -> Reading:
-        def make() -> Reading:
+    def rank(self) -> Reading[int]:
+        def make() -> Reading[int]:
             value, source = self._int("SLURM_PROCID", 0)
             world = self.world_size.get()
             if value is not None and world is not None and value >= world:
@@ -152,8 +155,8 @@ class Step:
         return self._once("rank", make)
 
     @property
-    def nnodes(self) -> Reading:
-        def make() -> Reading:
+    def nnodes(self) -> Reading[int]:
+        def make() -> Reading[int]:
             value, source = self._int("SLURM_NNODES", 1)
             if value is None:
                 value, source = self._int("SLURM_STEP_NUM_NODES", 1)
@@ -161,8 +164,8 @@ class Step:
         return self._once("nnodes", make)
 
     @property
-    def node_rank(self) -> Reading:
-        def make() -> Reading:
+    def node_rank(self) -> Reading[int]:
+        def make() -> Reading[int]:
             value, source = self._int("SLURM_NODEID", 0)
             nodes = self.nnodes.get()
             if value is not None and nodes is not None and value >= nodes:
@@ -172,9 +175,9 @@ class Step:
         return self._once("node_rank", make)
 
     @property
-    def tasks_per_node(self) -> Reading:
+    def tasks_per_node(self) -> Reading[List[int]]:
         """The tasks on each node of the step, as a list (checked against the counts)."""
-        def make() -> Reading:
+        def make() -> Reading[List[int]]:
             nodes = self.nnodes.get()
             world = self.world_size.get()
             for name in TASKS_PER_NODE:
@@ -200,8 +203,8 @@ class Step:
         return self._once("tasks_per_node", make)
 
     @property
-    def local_world_size(self) -> Reading:
-        def make() -> Reading:
+    def local_world_size(self) -> Reading[int]:
+        def make() -> Reading[int]:
             counts = self.tasks_per_node.get()
             node = self.node_rank.get()
             if counts is None or node is None:
@@ -210,8 +213,8 @@ class Step:
         return self._once("local_world_size", make)
 
     @property
-    def local_rank(self) -> Reading:
-        def make() -> Reading:
+    def local_rank(self) -> Reading[int]:
+        def make() -> Reading[int]:
             value, source = self._int("SLURM_LOCALID", 0)
             here = self.local_world_size.get()
             if value is not None and here is not None and value >= here:
@@ -221,9 +224,9 @@ class Step:
         return self._once("local_rank", make)
 
     @property
-    def one_task_per_node(self) -> Reading:
+    def one_task_per_node(self) -> Reading[bool]:
         """Whether every node of the step runs one task (the shape for one distlib-run per node)."""
-        def make() -> Reading:
+        def make() -> Reading[bool]:
             counts = self.tasks_per_node.get()
             if counts is not None:
                 return Reading(all(c == 1 for c in counts), self.tasks_per_node.source)
@@ -236,9 +239,9 @@ class Step:
     # -- where rank 0 is -------------------------------------------------------------------------
 
     @property
-    def nodes(self) -> Reading:
+    def nodes(self) -> Reading[List[str]]:
         """The step's host names (the first node list found, expanded)."""
-        def make() -> Reading:
+        def make() -> Reading[List[str]]:
             nodes = self.nnodes.get()
             for name in NODELISTS:
                 text = _get(self.env, name)
@@ -260,8 +263,8 @@ class Step:
         return self._once("nodes", make)
 
     @property
-    def master_addr(self) -> Reading:
-        def make() -> Reading:
+    def master_addr(self) -> Reading[str]:
+        def make() -> Reading[str]:
             hosts = self.nodes.get()
             if hosts is None:
                 return Reading(None, self.nodes.source)
@@ -269,8 +272,8 @@ class Step:
         return self._once("master_addr", make)
 
     @property
-    def master_port(self) -> Reading:
-        def make() -> Reading:
+    def master_port(self) -> Reading[int]:
+        def make() -> Reading[int]:
             job, job_source = self._int("SLURM_JOB_ID", 0)
             step, step_source = self._int("SLURM_STEP_ID", 0)
             if job is None or step is None:
@@ -279,8 +282,8 @@ class Step:
         return self._once("master_port", make)
 
     @property
-    def run_id(self) -> Reading:
-        def make() -> Reading:
+    def run_id(self) -> Reading[str]:
+        def make() -> Reading[str]:
             job, step = _get(self.env, "SLURM_JOB_ID"), _get(self.env, "SLURM_STEP_ID")
             if job is None or step is None:
                 return Reading(None, "SLURM_JOB_ID, SLURM_STEP_ID")

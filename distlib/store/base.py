@@ -241,7 +241,7 @@ class Store(abc.ABC):
                 f"multiSet keys and values vectors must be of same size "
                 f"({len(keys)} keys, {len(values)} values)"
             )
-        for k, v in zip(keys, values):
+        for k, v in zip(keys, values, strict=True):
             self.set(k, v)
 
     def queue_push(self, key: str, value: ValueLike) -> None:

@@ -228,7 +228,7 @@ class FileStore(Store):
             left = deadline.remaining()
             if left <= 0:
                 cache = log_.cache
-                missing = [k for k, f in zip(keys, fkeys) if f not in cache]
+                missing = [k for k, f in zip(keys, fkeys, strict=True) if f not in cache]
                 raise self.wait_timeout_error(
                     missing or keys,
                     deadline.seconds,

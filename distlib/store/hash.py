@@ -117,7 +117,7 @@ class HashStore(Store):
             super().multi_set(keys, values)  # raises the length error
         encoded = [to_bytes(v) for v in values]
         with self._cond:
-            self._data.update(zip(keys, encoded))
+            self._data.update(zip(keys, encoded, strict=True))
             self._cond.notify_all()
 
     def queue_push(self, key: str, value: ValueLike) -> None:

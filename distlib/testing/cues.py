@@ -133,8 +133,8 @@ class After(Cue):
     seconds: float
     name: ClassVar[str] = "after"
 
-    @property  # type: ignore[override]
-    def delay(self) -> float:  # type: ignore[override]
+    @property
+    def delay(self) -> float:  # type: ignore[override]  # a Cue's delay field, computed here
         return self.seconds
 
     def __str__(self) -> str:

@@ -98,12 +98,15 @@ def landing(substrate: str, repeat: int, image: str, project: str, job_path: str
 def overhead(repeat: int, project: str, job_path: str) -> Dict[str, Any]:
     """The same 3-rank job (50 all_reduces) run by hand (a `distlib store-server` and three
     processes with env://) and through the harness (namespaces, and loopback hosts), alternating."""
-    by_hand, harness_ns, harness_lo = [], [], []
+    by_hand: List[float] = []
+    harness_ns: List[float] = []
+    harness_lo: List[float] = []
     for _ in range(repeat):
         t0 = time.monotonic()
         _by_hand(job_path, 3)
         by_hand.append(time.monotonic() - t0)
-        for into, kind_options in ((harness_ns, {}), (harness_lo, {"namespaces": False})):
+        options: List[Dict[str, Any]] = [{}, {"namespaces": False}]
+        for into, kind_options in zip((harness_ns, harness_lo), options, strict=True):
             t0 = time.monotonic()
             with make_cluster(3, "processes", project_dir=project, **kind_options) as cluster:
                 cluster.run(Job.script(job_path), deadline=120).assert_ok(world_size=3)

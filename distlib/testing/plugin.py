@@ -23,7 +23,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Generator, Iterator, List, Optional
 
 import pytest
 
@@ -190,7 +190,8 @@ def _shrink(item: pytest.Item, schedule: Schedule, original: BaseException) -> S
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[Any]:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report: pytest.TestReport = yield
     if call.when == "call" and report.failed:
         ran = [s for c in item.stash.get(CLUSTERS, []) for s in c.schedules if len(s)]

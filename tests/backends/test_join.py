@@ -165,7 +165,7 @@ def test_a_rank_outside_the_world_fails_before_any_network_wait():
          "world_size= argument)"),
     ]
     procs = [Proc(_init, rank, 3, url, 60.0, env=dict(env, **extra)) for extra, rank, url, _ in cases]
-    for proc, (_, _, url, expected) in zip(procs, cases):
+    for proc, (_, _, url, expected) in zip(procs, cases, strict=True):
         status, (text, seconds, _) = proc.result(60)
         assert status == "ok", text
         assert text.startswith(f"ValueError: Error initializing torch.distributed using {url[:3]}"), text

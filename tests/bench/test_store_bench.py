@@ -82,7 +82,7 @@ def test_barrier_ranks_pass_a_real_barrier():
         assert len(times) == 3 and all(t > 0 for t in times)
         # each round splits into arrival (first ADD to SET) and release (SET to last through)
         assert len(ranks.phases) == 3
-        for t, (arrival, release) in zip(times, ranks.phases):
+        for t, (arrival, release) in zip(times, ranks.phases, strict=True):
             assert arrival > 0 and release > 0
             assert abs(arrival + release - t) < 1e-9
         probe = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=10))

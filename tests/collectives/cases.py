@@ -228,7 +228,7 @@ def gather_family(rank, ws, dtype, n):
     outputs = [np.empty(n, np.dtype(dtype)) for _ in range(ws)]
     dist.all_gather(outputs, mine)
     results["all_gather"] = first_of(first_wrong(o, e, f"from rank {k}: ")
-                                     for k, (o, e) in enumerate(zip(outputs, everyone)))
+                                     for k, (o, e) in enumerate(zip(outputs, everyone, strict=True)))
     flat = np.empty(n * ws, np.dtype(dtype))
     dist.all_gather_into_tensor(flat, mine)
     results["all_gather_into_tensor"] = first_wrong(flat, np.concatenate(everyone))
@@ -238,7 +238,7 @@ def gather_family(rank, ws, dtype, n):
         dist.gather(mine, gathered, dst=root)
         if rank == root:
             gather_ok += [first_wrong(o, e, f"root {root}, from rank {k}: ")
-                          for k, (o, e) in enumerate(zip(gathered, everyone))]
+                          for k, (o, e) in enumerate(zip(gathered, everyone, strict=True))]
         pieces = [make_input(100 + k, dtype, n) for k in range(ws)]
         received = np.empty(n, np.dtype(dtype))
         dist.scatter(received, pieces if rank == root else None, src=root)

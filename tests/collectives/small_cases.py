@@ -84,7 +84,7 @@ def every_collective_at_threshold(rank, ws, dtype, slot):
                    else np.array_equal(work, mine), used)
             gathered = [np.empty(n, dt) for _ in range(ws)] if rank == root else None
             used = _through_channel(lambda: dist.gather(mine, gathered, dst=root))
-            record(f"gather to {root}", all(np.array_equal(g, e) for g, e in zip(gathered, everyone))
+            record(f"gather to {root}", all(np.array_equal(g, e) for g, e in zip(gathered, everyone, strict=True))
                    if rank == root else True, used)
             pieces = [make_input(100 + k, dtype, m) for k in range(ws)]
             received = np.empty(m, dt)
@@ -92,7 +92,7 @@ def every_collective_at_threshold(rank, ws, dtype, slot):
             record(f"scatter from {root}", np.array_equal(received, pieces[rank]), used)
         outputs = [np.empty(n, dt) for _ in range(ws)]
         used = _through_channel(lambda: dist.all_gather(outputs, mine))
-        record("all_gather", all(np.array_equal(o, e) for o, e in zip(outputs, everyone)), used)
+        record("all_gather", all(np.array_equal(o, e) for o, e in zip(outputs, everyone, strict=True)), used)
         flat = np.empty(n * ws, dt)
         used = _through_channel(lambda: dist.all_gather_into_tensor(flat, mine))
         record("all_gather_into_tensor", np.array_equal(flat, np.concatenate(everyone)), used)

@@ -20,6 +20,6 @@ def test_reduce_to_each_end(pool, op_name):
 @pytest.mark.parametrize("op_name", OPS)
 def test_reduce_scatter_both_forms(pool, op_name):
     per_rank = pool.run(cases.reduce_scatter_matrix, op_name, DTYPES, [0, 1, 5, 80_003])
-    wrong = [(rank, dtype, n, t, l) for rank, rows in enumerate(per_rank) for dtype, n, t, l in rows
-             if not (t and l)]
+    wrong = [(rank, dtype, n, t, lst) for rank, rows in enumerate(per_rank) for dtype, n, t, lst in rows
+             if not (t and lst)]
     assert not wrong, f"reduce_scatter {op_name}: (rank, dtype, size, tensor ok, list ok) {wrong[:10]}"

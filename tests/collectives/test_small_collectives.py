@@ -94,7 +94,7 @@ def test_a_killed_rank_is_named_by_the_ranks_waiting_for_it_in_shared_memory(asl
 def test_a_silent_rank_is_named_by_the_ranks_waiting_for_it_in_shared_memory(tmp_path):
     ws, silent = 3, 2
     results = spawn(small_cases.silent_rank_in_small_collective, ws, str(tmp_path / "s"), silent, timeout=120)
-    for rank, (code, (status, (text, elapsed, channel))) in enumerate(results):
+    for rank, (code, (status, (text, _elapsed, _channel))) in enumerate(results):
         assert status == "ok" and code == 0, (rank, code, text)
         if rank == silent:
             continue

@@ -2,6 +2,8 @@
 
 import socket
 
+import pytest
+
 from distlib.backends.gloo.transport import address
 
 from . import cases, group_cases
@@ -15,7 +17,7 @@ def test_port_range_confines_data_ports(tmp_path):
     low = max(20000, min(low, 60000))
     results = spawn(group_cases.port_range_init, 2, str(tmp_path / "s"), low, low + 50)
     ports = []
-    for code, (status, value) in results:
+    for _code, (status, value) in results:
         assert status == "ok", value
         ports.append(value[0])
         assert value[1] == 2.0
@@ -32,7 +34,7 @@ def test_busy_port_range_names_it(tmp_path):
 
 def test_two_interfaces_round_robin(tmp_path):
     results = spawn(group_cases.two_interfaces, 2, str(tmp_path / "s"))
-    for code, (status, value) in results:
+    for _code, (status, value) in results:
         assert status == "ok", value
         meshes, sums = value
         assert meshes == 2 and sums == [1.0, 3.0, 5.0, 7.0]
@@ -127,3 +129,12 @@ def test_ranks_crowded_onto_one_cpu_fix_their_receive_buffers_and_still_reduce_c
             assert buffers == [expected] and oks == [True, True], (buffers, oks)
     finally:
         pool.close()
+
+
+def test_listening_on_an_address_this_host_lacks_names_it():
+    """Any port (no DISTLIB_PORT_RANGE): the bind fails for the address, which the error names
+    (it was a TypeError about the missing port range)."""
+    from distlib import DistNetworkError
+
+    with pytest.raises(DistNetworkError, match=r"cannot listen on 192\.0\.2\.1 \(errno \d+: .*\): is it an address"):
+        address.listen("192.0.2.1", None, 1)  # TEST-NET-1: never an address of this host

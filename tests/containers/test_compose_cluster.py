@@ -474,7 +474,7 @@ def check_my_train(docker_client, project: str, mode: str, nodes: int, epochs: i
     lines = {int(rank): (int(world), host, cwd, value, writable) for rank, world, host, cwd, value, writable in found}
     assert sorted(lines) == list(range(nodes)) and len(found) == nodes, f"mode {mode}: {found}\n{logs[-3000:]}"
     total = sum(range(1, nodes + 1)) * nodes ** (epochs - 1)  # all_reduces (SUM) of rank + 1
-    for rank, (world, host, cwd, value, writable) in lines.items():
+    for rank, (world, _host, cwd, value, writable) in lines.items():
         assert (world, cwd, value, writable) == (nodes, "/job", str([total] * 4), "no"), f"mode {mode} rank {rank}"
     assert len({v[1] for v in lines.values()}) == nodes  # every rank in its own container
     assert not (job_dir / "written-by-the-job").exists()

@@ -135,7 +135,7 @@ def silent_rank_problems(values, ws, laggard, how, timeout_s):
     seconds, refused the next call naming it, destroyed at once, and every destroy returned."""
     problems = []
     ranks = [r for r in range(ws) if not (how == "exit" and r == laggard)]
-    for rank, (text, elapsed, same_again, took, violations) in zip(ranks, values):
+    for rank, (text, elapsed, same_again, took, violations) in zip(ranks, values, strict=True):
         if violations:
             problems.append(f"rank {rank}: the fake saw {violations}")
         if rank == laggard:

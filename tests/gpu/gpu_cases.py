@@ -315,7 +315,7 @@ def refusal_problems(seen, still, ws):
                 if not untouched]
     if len(texts) != len(want):
         problems.append(f"{len(texts)} refusals, {len(want)} expected: {texts}")
-    for i, (text, start) in enumerate(zip(texts, want)):
+    for i, (text, start) in enumerate(zip(texts, want, strict=False)):
         if not text.startswith(start):
             problems.append(f"refusal {i}: {text!r} does not start with {start!r}")
     if still != ws:

@@ -63,7 +63,7 @@ def _group(steps_by_rank, buffers_by_rank) -> None:
     for (src, dst), payloads in sends.items():
         regions = recvs[(src, dst)]
         assert len(payloads) == len(regions), f"{src}->{dst}: {len(payloads)} sends, {len(regions)} receives"
-        for payload, region in zip(payloads, regions):
+        for payload, region in zip(payloads, regions, strict=True):
             assert payload.size == region.count, f"{src}->{dst}: send of {payload.size}, receive of {region.count}"
             _get(buffers_by_rank[dst], region)[...] = payload
 
@@ -103,7 +103,7 @@ def _collective(steps, buffers_by_rank) -> None:
 def run(plans: List[P.Plan], arrays_by_rank: List[List[np.ndarray]]) -> None:
     """Run every rank's plan on its arrays (numpy, changed in place, as the GPU's would be)."""
     buffers_by_rank = []
-    for plan, arrays in zip(plans, arrays_by_rank):
+    for plan, arrays in zip(plans, arrays_by_rank, strict=True):
         assert len(arrays) == plan.buffers, f"plan wants {plan.buffers} arrays, got {len(arrays)}"
         view = np.dtype(plan.wire.view)
         flat = [a.reshape(-1).view(view) for a in arrays]

@@ -114,3 +114,17 @@ def test_a_creator_must_return_one_of_the_kinds():
     with pytest.raises(TypeError, match="not a distlib.CommBackend \\(or distlib.StreamOrderedBackend\\)"):
         dist.init_process_group("notabackend", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()
+
+
+class _NeitherKind(base.BackendBase):
+    """Derives from the shared base only: it declares no kind and has no collective."""
+
+    name = "neitherkind"
+
+
+def test_a_creator_returning_the_shared_base_alone_is_refused_too():
+    dist.Backend.register_backend("neitherkind", lambda store, rank, size, timeout: _NeitherKind(store, rank, size,
+                                  timeout), devices=["cpu"])
+    with pytest.raises(TypeError, match="returned _NeitherKind, not a distlib.CommBackend"):
+        dist.init_process_group("neitherkind", store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()

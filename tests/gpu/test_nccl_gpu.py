@@ -30,7 +30,7 @@ def ok(results):
 @pytest.mark.parametrize("ws", [1, 2, 3])
 def test_every_collective_op_and_dtype(ws, tmp_path):
     for rank, problems in enumerate(ok(spawn(gpu_cases.every_collective, ws, str(tmp_path / "s"), timeout=900))):
-        assert problems == [], "\n".join(problems[:40])
+        assert problems == [], f"rank {rank}:\n" + "\n".join(problems[:40])
 
 
 @pytest.mark.parametrize("ws", [1, 2])

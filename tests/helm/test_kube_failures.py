@@ -155,7 +155,7 @@ def test_a_wrong_token_secret_is_refused_and_named(helm: Any, kube_chart: Any, k
                          workers={"activeDeadlineSeconds": 60})
         _lane.install(helm, kube, kube_chart, ns, values, release=other)
         other_job = f"{other}-distlib-workers"
-        refused = re.escape(f"authentication to") + r".*" + re.escape(endpoint.split(":")[0]) + r".*wrong token"
+        refused = re.escape("authentication to") + r".*" + re.escape(endpoint.split(":")[0]) + r".*wrong token"
         workers = kube.api.wait("the other release's workers running", lambda: [
             p for p in _lane.pods(kube, ns, "worker")
             if p["metadata"]["labels"].get("job-name") == other_job and p["status"].get("podIP")], 90)

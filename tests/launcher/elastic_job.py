@@ -64,7 +64,7 @@ class Job:
             try:
                 codes[proc.pid] = proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"agent {proc.pid} still running after {timeout} s:\n{self.log(proc)[-3000:]}")
+                raise AssertionError(f"agent {proc.pid} still running after {timeout} s:\n{self.log(proc)[-3000:]}") from None
         return codes
 
     def started(self, round_: int, count: int, timeout: float = 60) -> Dict[int, int]:

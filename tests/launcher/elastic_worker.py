@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 import numpy as np
 
@@ -36,7 +35,7 @@ def crashes(spec: str, round_: int, rank: int) -> bool:
 def main() -> int:
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     _common.join("gloo", 30.0)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     steps = int(os.environ.get("EW_STEPS", "20"))
     pause = float(os.environ.get("EW_STEP_S", "0.05"))
     total = None

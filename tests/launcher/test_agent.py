@@ -564,10 +564,10 @@ def test_an_unmodified_script_meets_through_the_launchers_init_method(tmp_path):
         outs = [proc.communicate(timeout=90) for proc in nodes]
     finally:
         other.close()
-    for proc, (out, err) in zip(nodes, outs):
+    for proc, (_out, err) in zip(nodes, outs, strict=True):
         assert proc.returncode == 0, err[-3000:]
     got = {r["rank"]: r for out, _ in outs for r in reports(out)}
     assert sorted(got) == [0, 1], outs
     for rank, r in got.items():
-        assert (r["world"], r["all_reduce"]) == (2, [3, 3, 3, 3]), r
-        assert r["store"] == f"FileStore {store_file}", r
+        assert (r["world"], r["all_reduce"]) == (2, [3, 3, 3, 3]), (rank, r)
+        assert r["store"] == f"FileStore {store_file}", (rank, r)

@@ -146,7 +146,7 @@ def test_the_restart_count_is_the_jobs_and_max_restarts_is_job_wide():
     """torch #108158: every node sees the same count; a crash on one node uses the job's budget."""
     state = running(max_restarts=2)
     for expected_round in (1, 2):
-        state = R.restart(state, state.round, (f"worker failed: rank 2 exited with code 3",))
+        state = R.restart(state, state.round, ("worker failed: rank 2 exited with code 3",))
         assert state.round == expected_round and state.phase == R.JOINING
         state = R.close(joined(state, "a", "b", "c"))
     state = R.restart(state, 2, ("worker failed: rank 2 exited with code 3",))

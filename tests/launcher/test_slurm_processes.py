@@ -99,7 +99,7 @@ def test_srun_python_shape_env_init_with_nothing_set_by_hand():
     assert [r["rank"] for r in got] == [0, 1, 2, 3]
     assert all(r["world"] == 4 and r["sum"] == 10.0 for r in got), got
     port = str(port_for(job, 0))
-    for (procid, nodeid, localid), r in zip(layout, got):
+    for (procid, nodeid, localid), r in zip(layout, got, strict=True):
         assert r["identity"] == {"rank": procid, "world_size": 4, "local_rank": localid, "local_world_size": 2,
                                  "node_rank": nodeid, "master_addr": "localhost", "master_port": int(port),
                                  "run_id": f"slurm-{job}.0"}, r

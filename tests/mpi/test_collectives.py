@@ -58,8 +58,8 @@ def test_reduce_to_each_end(matrix, op_name):
 @pytest.mark.parametrize("op_name", runner.ALL_REDUCE_OPS)
 def test_reduce_scatter_both_forms(matrix, op_name):
     per_rank = matrix.case(f"reduce_scatter/{op_name}")
-    wrong = [(rank, dtype, n, t, l) for rank, rows in enumerate(per_rank) for dtype, n, t, l in rows
-             if not (t and l)]
+    wrong = [(rank, dtype, n, t, lst) for rank, rows in enumerate(per_rank) for dtype, n, t, lst in rows
+             if not (t and lst)]
     assert not wrong, f"reduce_scatter {op_name}: (rank, dtype, size, tensor ok, list ok) {wrong[:10]}"
     assert per_rank[0], "no dtype was tried"
 
@@ -159,9 +159,9 @@ def test_bad_input_gets_glo_os_errors_and_the_group_stays_usable(matrix):
 
 def test_bad_input_the_mpi_backend_refuses(matrix):
     for rank, errors in enumerate(matrix.case("bad_input_mpi")):
-        assert errors.pop("still_works") is True
-        assert "MPI_TAG_UB (2147483647)" in errors.get("tag_above_ub", "MPI_TAG_UB (2147483647)"), errors
-        assert "needs a store" in errors["gloo_subgroup"] and "backend='mpi'" in errors["gloo_subgroup"], errors
+        assert errors.pop("still_works") is True, f"rank {rank}: {errors}"
+        assert "MPI_TAG_UB (2147483647)" in errors.get("tag_above_ub", "MPI_TAG_UB (2147483647)"), (rank, errors)
+        assert "needs a store" in errors["gloo_subgroup"] and "backend='mpi'" in errors["gloo_subgroup"], (rank, errors)
 
 
 def test_cupy_arrays_are_staged_through_host_memory(matrix):

@@ -55,7 +55,7 @@ def test_each_layout_encodes_torchs_bytes_and_decodes_them_back(op):
     decoded_op, decoded, end = codec.decode(wire + b"\x07", 0, len(wire) + 1, LIMITS)
     assert (decoded_op, end) == (op, len(wire))
     if op == Op.MULTI_SET:
-        assert decoded == (list(zip(*fields)),)
+        assert decoded == (list(zip(*fields, strict=True)),)
     else:
         assert decoded == fields
 

@@ -93,7 +93,7 @@ def cuts(draw, data: bytes):
     """``data`` cut into reads at random places."""
     points = sorted(set(draw(st.lists(st.integers(0, len(data)), max_size=10))))
     bounds = [0] + points + [len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
 class _Peer:

@@ -188,9 +188,9 @@ def test_a_certificate_that_does_not_match_its_key_is_a_clear_error(pki):
                                          r"key DISTLIB_TLS_KEY=.*expired_key.pem: the key does not belong"):
         StoreServer("127.0.0.1", 0, security=StoreSecurity(None, pki["good_cert"], pki["expired_key"]))
     with pytest.raises(ValueError, match="TLS needs a certificate and its key: DISTLIB_TLS_KEY is not set"):
-        StoreSecurity(None, pki["good_cert"], "").server_tls
+        _ = StoreSecurity(None, pki["good_cert"], "").server_tls
     with pytest.raises(ValueError, match=r"cannot load the TLS CA DISTLIB_TLS_CA=/nonexistent: No such file"):
-        StoreSecurity(ca="/nonexistent").client_tls
+        _ = StoreSecurity(ca="/nonexistent").client_tls
 
 
 def test_the_master_and_its_workers_take_tls_from_the_environment(pki, monkeypatch):

@@ -410,8 +410,8 @@ def test_fan_out_joins_the_slices_in_order():
     try:
         for n in (10, SLICE * 7 + 3):
             items = list(range(n))
-            assert pool.map_parts(lambda part, arg: [x * y for x, y in zip(part, arg)], items, [3] * n) == [x * 3 for x in items]
-            assert pool.map_parts(lambda part, arg: [a + b for a, b in zip(part, arg)], items, items) == [2 * x for x in items]
+            assert pool.map_parts(lambda part, arg: [x * y for x, y in zip(part, arg, strict=True)], items, [3] * n) == [x * 3 for x in items]
+            assert pool.map_parts(lambda part, arg: [a + b for a, b in zip(part, arg, strict=True)], items, items) == [2 * x for x in items]
     finally:
         pool.close()
 
@@ -496,7 +496,7 @@ def test_waits_on_several_keys_in_one_turn_are_each_released_by_their_key(turns)
     other keys and ADDs: each waiter is released by its own key only, and nothing stays charged."""
     clients = [turns.client()[0] for _ in range(7)]
     keys = [b"x", b"x", b"y", b"x", b"y", b"y"]
-    for c, k in zip(clients, keys):
+    for c, k in zip(clients, keys, strict=False):
         c.sendall(wait(k))
     clients[6].sendall(proto.add(b"z", 1))
     turns.turn(*clients)
@@ -506,11 +506,11 @@ def test_waits_on_several_keys_in_one_turn_are_each_released_by_their_key(turns)
     setter = turns.client()[0]
     setter.sendall(proto.set_(b"y", b"1"))
     turns.turn(setter)
-    for c, k in zip(clients, keys):
+    for c, k in zip(clients, keys, strict=False):
         assert (recv_exact(c, 1) == bytes([proto.STOP_WAITING])) if k == b"y" else nothing_to_read(c)
     setter.sendall(proto.set_(b"x", b"1"))
     turns.turn(setter)
-    assert all(recv_exact(c, 1) == bytes([proto.STOP_WAITING]) for c, k in zip(clients, keys) if k == b"x")
+    assert all(recv_exact(c, 1) == bytes([proto.STOP_WAITING]) for c, k in zip(clients, keys, strict=False) if k == b"x")
     assert turns.server.state.wait_bytes == 0
 
 

@@ -484,7 +484,8 @@ def test_compare_set_that_creates_the_key_wakes_waiters():
     thread.join(5)
 
 
-def test_master_handle_reads_after_another_processs_append(slow_thread_switches):
+@pytest.mark.usefixtures("slow_thread_switches")
+def test_master_handle_reads_after_another_processs_append():
     """The master handle sets a key, a client in another process appends to it (no reply),
     the master reads it: the get must not overtake the APPEND the server had already
     received (append_order.py; test_tcp_store_interop.py runs it with a torch client). The

@@ -307,7 +307,8 @@ def test_distlib_master_waits_for_torch_workers():
 
 
 @pytest.mark.parametrize("master_impl", ["distlib", "torch"])
-def test_master_handle_reads_after_a_torch_clients_append(master_impl, slow_thread_switches):
+@pytest.mark.usefixtures("slow_thread_switches")
+def test_master_handle_reads_after_a_torch_clients_append(master_impl):
     """The master handle (TCPStore(is_master=True), its server on a thread of this process)
     sets a key, a torch client in another process appends to it, the master reads it: the
     get must not overtake the APPEND the server had already received (append_order.py).

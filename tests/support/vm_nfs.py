@@ -283,7 +283,7 @@ def start(image: Image, clients: int = 3, spares: int = 0,
         }
         if ganesha:
             mounts["ganesha-nfs4.1"] = NfsMount("ganesha-nfs4.1", "10.0.2.2:/export", "/mnt/ganesha",
-                                                f"vers=4.1,port={ganesha.port}", f"10.0.2.2:/export")
+                                                f"vers=4.1,port={ganesha.port}", "10.0.2.2:/export")
         hosts = NfsHosts(fleet, server, client_vms, mounts, ganesha, spare_vms)
         with ThreadPoolExecutor(max_workers=len(client_vms + spare_vms)) as pool:
             for f in [pool.submit(hosts.mount, vm) for vm in client_vms + spare_vms]:

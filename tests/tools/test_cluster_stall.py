@@ -24,7 +24,7 @@ def test_the_ranks_that_never_joined_and_the_one_still_waiting_are_named():
     assert lines[0] == "ranks 1, 2, 3 never joined: 1/4 ranks joined, and rank 0 waited for the rest"
     assert lines[1] == ("rank 0 (worker-1) was still waiting: [rank0] WARNING distlib.join: pg0/gloo rank 0: 1/4 "
                         "ranks joined after 15.0s; waiting for ranks 1, 2, 3 (timeout 30m00s)")
-    for n, line in zip((1, 2, 3), lines[2:]):
+    for n, line in zip((1, 2, 3), lines[2:], strict=False):
         assert line.startswith(f"rank {n} (worker-{n + 1}) last said: [rank{n}] WARNING distlib.store.tcp.connect: "
                                "cannot reach TCPStore server 127.0.0.1:29500"), line
         assert "this container's own loopback: is MASTER_ADDR right?" in line

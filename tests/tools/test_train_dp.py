@@ -38,7 +38,7 @@ def test_training_steps_agree_with_numpys_path():
         assert float(acc_a) == float(acc_b)
         assert g_a.dtype == g_b.dtype == np.float32 and g_a.shape == g_b.shape == (models[0].numel(),)
         np.testing.assert_allclose(g_a, g_b, rtol=1e-4, atol=1e-6)
-        for model, grads in zip(models, (g_a, g_b)):
+        for model, grads in zip(models, (g_a, g_b), strict=True):
             model.step(grads, 0.2, 0.9)
     np.testing.assert_allclose(models[0].flat(), models[1].flat(), rtol=1e-4, atol=1e-5)
     assert models[0].numel() == 32 * 64 + 64 + 64 + 1

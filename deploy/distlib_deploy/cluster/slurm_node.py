@@ -109,7 +109,7 @@ def slurm_conf(names: Sequence[str], cpus: int) -> str:
 
 
 def hosts_table(names: Sequence[str], addresses: Sequence[str]) -> str:
-    return "".join(f"{address}\t{name}\n" for name, address in zip(names, addresses))
+    return "".join(f"{address}\t{name}\n" for name, address in zip(names, addresses, strict=True))
 
 
 def write_hosts(table: str, path: Path = Path("/etc/hosts")) -> None:

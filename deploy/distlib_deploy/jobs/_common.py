@@ -233,7 +233,7 @@ def error_name(exc: BaseException) -> str:
 
 def table(header, rows) -> str:
     rows = [[str(c) for c in row] for row in rows]
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
     return "\n".join(line.rstrip() for line in lines)

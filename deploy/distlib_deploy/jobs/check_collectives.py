@@ -29,8 +29,6 @@ from typing import List, Optional
 
 import numpy as np
 
-from distlib import settings
-
 from .. import settings as deploy_settings
 from . import _common as C
 

@@ -53,7 +53,7 @@ def connect_group(store, rank: int, size: int, timeout_s: float, label: str, dea
         record = dict(local_facts(identity))
         if token is not None:
             record["auth"] = True  # that it requires the token, never the token
-        record["addresses"] = [[address, sock.getsockname()[1]] for (address, _), sock in zip(advertised, listeners)]
+        record["addresses"] = [[address, sock.getsockname()[1]] for (address, _), sock in zip(advertised, listeners, strict=True)]
         record["host_id"] = addr.host_identity()
         if rank == 0:
             record["mesh_id"] = secrets.randbits(63)

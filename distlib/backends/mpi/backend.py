@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -61,14 +61,17 @@ def _op_table(MPI) -> OpTable:  # noqa: N803 - the module's own name
 
 def _ranges(ranks: Sequence[int]) -> str:
     """``0-3, 7`` for [0, 1, 2, 3, 7]."""
-    parts, start, prev = [], None, None
-    for r in list(ranks) + [None]:
-        if start is not None and (r is None or r != prev + 1):
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if r is not None and start is None:
-            start = r
-        prev = r
+    parts: List[str] = []
+    run: Optional[Tuple[int, int]] = None  # (first, last) of the consecutive ranks so far
+    for r in ranks:
+        if run is not None and r == run[1] + 1:
+            run = (run[0], r)
+            continue
+        if run is not None:
+            parts.append(str(run[0]) if run[0] == run[1] else f"{run[0]}-{run[1]}")
+        run = (r, r)
+    if run is not None:
+        parts.append(str(run[0]) if run[0] == run[1] else f"{run[0]}-{run[1]}")
     return ", ".join(parts)
 
 
@@ -95,6 +98,7 @@ class _Request(RecvHandle):
                 self._finish(status)
         if self._error is not None:
             raise self._error
+        assert self._source is not None, "a finished receive knows its sender (_finish)"
         return self._source
 
     def is_completed(self) -> bool:
@@ -136,8 +140,9 @@ class MPIBackend(CommBackend):
         self.global_ranks = list(global_ranks)
         self.seq = 0
         self.hosts: Optional[List[str]] = None
-        self.comm = None
-        self.control = None
+        # mpi4py communicators (MPI.Intracomm; the module is loaded at run time): set by _establish
+        self.comm: Any = None
+        self.control: Any = None
         self._monitor_seq = 0
         self._closed = False
         #: The group's first failure (an error MPI reported): every later operation is refused
@@ -181,7 +186,7 @@ class MPIBackend(CommBackend):
         if not self.hosts:
             return f"group {self.label} (ranks {_ranges(self.global_ranks)})"
         by_host: Dict[str, List[int]] = {}
-        for global_rank, host in zip(self.global_ranks, self.hosts):
+        for global_rank, host in zip(self.global_ranks, self.hosts, strict=False):
             by_host.setdefault(host, []).append(global_rank)
         where = ", ".join(f"{_ranges(ranks)} on {host}" for host, ranks in by_host.items())
         return f"group {self.label} (ranks {where})"
@@ -283,6 +288,7 @@ class MPIBackend(CommBackend):
         if self.rank != root:
             self._call("gather", array, self.comm.Gather, self._buf(array), None, root)
             return
+        assert outputs is not None, "the root's outputs (collectives.gather checks them)"
         staged = np.empty(array.size * self.size, array.dtype)
         self._call("gather", array, self.comm.Gather, self._buf(array), self._buf(staged), root)
         for k, out in enumerate(outputs):
@@ -292,6 +298,7 @@ class MPIBackend(CommBackend):
         self._begin(output, *(inputs or ()))
         staged = None
         if self.rank == root:
+            assert inputs is not None, "the root's inputs (collectives.scatter checks them)"
             staged = self._buf(np.concatenate([self._flat(a) for a in inputs]))
         self._call("scatter", output, self.comm.Scatter, staged, self._buf(output), root)
 
@@ -320,7 +327,7 @@ class MPIBackend(CommBackend):
         staged_out = np.empty(sum(recv_counts), dtype)
         self._alltoallv("all_to_all", staged_in, send_counts, staged_out, recv_counts)
         offset = 0
-        for out, count in zip(outputs, recv_counts):
+        for out, count in zip(outputs, recv_counts, strict=True):
             self._flat(out)[...] = staged_out[offset:offset + count]
             offset += count
 

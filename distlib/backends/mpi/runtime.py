@@ -30,7 +30,7 @@ import socket
 import sys
 import threading
 import warnings
-from typing import Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 log = logging.getLogger("distlib.backends.mpi")
 
@@ -46,14 +46,15 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.MPI = None
+        self.MPI: Any = None  # mpi4py.MPI once loaded (imported at run time, only where MPI is used)
         self.problem: Optional[str] = None
         self.we_initialised = False
         self.level: Optional[int] = None
-        self.parent = None  # a duplicate of MPI_COMM_WORLD, the parent of every group's communicator
-        self.in_flight = None  # callable: descriptions of operations still running (watchdog.py)
-        self.finalize_hooks = []  # callables run before MPI_Finalize
-        self.diagnostics = None  # a duplicate of MPI_COMM_WORLD for the watchdogs' questions
+        self.parent: Any = None  # a duplicate of MPI_COMM_WORLD, the parent of every group's communicator
+        #: descriptions of the operations still running (watchdog.py)
+        self.in_flight: Optional[Callable[[], List[str]]] = None
+        self.finalize_hooks: List[Callable[[], None]] = []  # callables run before MPI_Finalize
+        self.diagnostics: Any = None  # a duplicate of MPI_COMM_WORLD for the watchdogs' questions
 
 
 _state = _State()
@@ -136,7 +137,7 @@ def report_in_flight_with(source) -> None:
 
 
 def thread_level_name() -> str:
-    return _LEVEL_NAMES.get(_state.level, "not initialised")
+    return "not initialised" if _state.level is None else _LEVEL_NAMES.get(_state.level, "not initialised")
 
 
 def parent_communicator():
@@ -201,7 +202,7 @@ def _at_exit() -> None:
     MPI = _state.MPI
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
         return
-    pending = _state.in_flight() if _state.in_flight is not None else []
+    pending: List[str] = _state.in_flight() if _state.in_flight is not None else []
     if pending:
         abort(f"the process is exiting while {len(pending)} MPI operation(s) are still in flight "
               f"({'; '.join(pending[:4])}); MPI_Finalize would wait for them forever. Wait for every async "

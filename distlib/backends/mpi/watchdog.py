@@ -59,7 +59,8 @@ class Watchdog:
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
-        self._last_end = (time.monotonic(), None)  # when the last call ended, and what it was
+        #: when the last call ended, and what it was
+        self._last_end: Tuple[float, Optional[_Entry]] = (time.monotonic(), None)
         self.inquiry: Optional[Inquiry] = None
         #: label -> the failure of each group this process refuses (its backend failed)
         self.failed_groups: Dict[str, str] = {}

@@ -85,8 +85,8 @@ class NcclBackend(StreamOrderedBackend):
         self.version = int(self.nccl.get_version())
         self.device: Optional[int] = None
         self.comm: Optional[Communicator] = None
-        self.stream = None
-        self._ready = None
+        self.stream: Any = None  # cupy's Stream and Event, made with the communicator
+        self._ready: Any = None
         self._events: List[Any] = []
         self._plans: Dict[Tuple, Tuple[P.Plan, Any]] = {}
         self.seq = 0
@@ -164,11 +164,12 @@ class NcclBackend(StreamOrderedBackend):
 
     def _device_for(self, arrays: Sequence, requested: Optional[int] = None) -> int:
         """The communicator's device, made now if need be; ``requested``: barrier's device_ids[0]."""
-        if self.comm is not None and requested is None:
+        device = self.device  # set with the communicator
+        if self.comm is not None and requested is None and device is not None:
             for a in arrays:
-                if a.device.id != self.device:
-                    check_same_device(int(a.device.id), self.device, "the array", self.label)
-            return self.device
+                if a.device.id != device:
+                    check_same_device(int(a.device.id), device, "the array", self.label)
+            return device
         devices = sorted({int(a.device.id) for a in arrays} | ({requested} if requested is not None else set()))
         if len(devices) > 1:
             raise ValueError(f"the arrays of one operation must be on one GPU, got "
@@ -178,8 +179,9 @@ class NcclBackend(StreamOrderedBackend):
             device, why = choose_device(array_device, self.bound, self.identity, self._runtime.getDevice(),
                                         self.device_count)
             self._connect(device, why)
-        elif array_device is not None:
+        elif array_device is not None and self.device is not None:  # the device is set with the communicator
             check_same_device(array_device, self.device, "the array", self.label)
+        assert self.device is not None, "_connect sets the device"
         return self.device
 
     # -- failure ---------------------------------------------------------------------------------
@@ -200,6 +202,7 @@ class NcclBackend(StreamOrderedBackend):
         seq = (self.seq if collective else self.p2p_seq) + 1
         cause = f"could not be enqueued on rank {self.rank} ({type(exc).__name__}: {exc})"
         self.lifecycle.enqueue_failed(EnqueueFailure(what, seq, collective, cause))
+        assert self.watchdog is not None, "started with the communicator, before any enqueue"
         self.watchdog.wake.set()
         return DistBackendError(f"{self.label} rank {self.rank}: {what} {cause}; the NCCL communicator is being "
                                 f"aborted: destroy_process_group() and init again to go on")
@@ -220,8 +223,8 @@ class NcclBackend(StreamOrderedBackend):
         with cuda.Device(self.device):
             cuda.get_current_stream().wait_event(event)
 
-    def _launch(self, op_name: str, plan: P.Plan, arrays: Sequence, collective: bool = True,
-                blocking: bool = False, result: Optional[Sequence] = None, device: Optional[int] = None,
+    def _launch(self, op_name: str, plan: P.Plan, arrays: List[Any], collective: bool = True,
+                blocking: bool = False, result: Optional[List[Any]] = None, device: Optional[int] = None,
                 view=None) -> NcclWork:
         with self._lock:
             lifecycle = self.lifecycle
@@ -237,24 +240,25 @@ class NcclBackend(StreamOrderedBackend):
             with self.cupy.cuda.Device(device):
                 return self._enqueue(op_name, plan, view, arrays, collective, blocking, result)
 
-    def _enqueue(self, op_name: str, plan: P.Plan, view, arrays: Sequence, collective: bool, blocking: bool,
-                 result: Optional[Sequence]) -> NcclWork:
+    def _enqueue(self, op_name: str, plan: P.Plan, view, arrays: List[Any], collective: bool, blocking: bool,
+                 result: Optional[List[Any]]) -> NcclWork:
         """The operation after the caller's stream, on the backend's stream, and its Work;
         ``view``: the dtype NCCL's counts are in (the plan's wire, as the array library has it)."""
-        cupy, stream = self.cupy, self.stream
+        cupy, stream, comm, watchdog = self.cupy, self.stream, self.comm, self.watchdog
+        assert comm is not None and watchdog is not None, "made by _device_for's _connect"
         stream.wait_event(cupy.cuda.get_current_stream().record(self._ready))  # ready: reusable at once
         temps = ()
         if plan.temps:
             with stream:
                 temps = tuple(cupy.empty(n, dtype=view) for n in plan.temps)
         buffers = [*arrays, *temps]
-        raw = self.comm.acquire()  # aborted by the watchdog meanwhile: the group's error
+        raw = comm.acquire()  # aborted by the watchdog meanwhile: the group's error
         try:
             self._issue(raw, plan.steps, buffers, view, plan.wire.nccl_type)
         except Exception as exc:  # NCCL or CUDA refused part of it: the group is broken
             raise self._enqueue_failed(_describe(op_name, arrays), collective, exc) from exc
         finally:
-            self.comm.release()
+            comm.release()
         done = self._events.pop() if self._events else cupy.cuda.Event(block=False, disable_timing=True)
         stream.record(done)
         if collective:
@@ -264,7 +268,7 @@ class NcclBackend(StreamOrderedBackend):
             self.p2p_seq += 1
             seq = self.p2p_seq
         work = NcclWork(self.lifecycle, self, op_name, seq, done, arrays if result is None else result, blocking)
-        self.watchdog.add(Pending(seq, collective, op_name, arrays[0] if arrays else None, time.monotonic(), done,
+        watchdog.add(Pending(seq, collective, op_name, arrays[0] if arrays else None, time.monotonic(), done,
                                   buffers, work))
         return work
 
@@ -415,7 +419,7 @@ class NcclBackend(StreamOrderedBackend):
         work = self._launch("recv", P.recv(wire(array.dtype), array.size, src), [array], collective=False)
         return NcclRecv(work, src)
 
-    def batch_p2p(self, items: Sequence[Tuple[bool, object, int]]) -> NcclWork:
+    def batch_p2p(self, items: Sequence[Tuple[bool, Any, int]]) -> NcclWork:
         """(is_send, array, group peer) per operation, in one NCCL group; arrays travel as bytes,
         so one batch may mix dtypes (each still has to be one NCCL has)."""
         for _, array, _ in items:

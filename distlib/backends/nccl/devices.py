@@ -11,7 +11,7 @@ the current cupy device. Once a communicator exists, every array must be on its 
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ...identity import Identity
 
@@ -91,7 +91,7 @@ def check_same_device(array_device: int, comm_device: int, name: str, label: str
 def shared_gpus_hint(records) -> str:
     """A sentence for an NCCL init failure when ranks of one host use one GPU ("" otherwise);
     ``records``: the ranks' join records (hostname, device)."""
-    users = {}
+    users: Dict[Tuple[Optional[str], Optional[int]], List[int]] = {}
     for rank, record in enumerate(records):
         users.setdefault((record.get("hostname"), record.get("device")), []).append(rank)
     for (host, device), ranks in users.items():

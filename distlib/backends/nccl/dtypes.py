@@ -120,7 +120,10 @@ def reduction(dtype, op: ReduceOp, nccl_version: int) -> Reduction:
         if nccl_version >= NATIVE_AVG_VERSION:
             return Reduction(how, AVG, None, False)
         return Reduction(how, SUM, None, True)
-    premul = float(op.factor) if kind == RedOpType.PREMUL_SUM else None
+    premul = None
+    if kind == RedOpType.PREMUL_SUM:
+        assert op.factor is not None, "as_reduce_op refuses PREMUL_SUM without its factor"
+        premul = float(op.factor)
     return Reduction(how, _NATIVE_OPS[kind], premul, False)
 
 

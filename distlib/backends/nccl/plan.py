@@ -21,7 +21,7 @@ buffer, counted in the type NCCL sees (a complex64 array is twice as many float3
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Tuple, Union
 
 from .dtypes import SUM, Reduction, Wire
 
@@ -131,6 +131,7 @@ def _finish_reduction(plan: Plan, how: Reduction, region: Region, size: int) -> 
 
 def _scaled_copy(plan: Plan, how: Reduction, src: Region) -> Region:
     """PREMUL_SUM without touching the caller's input: a scaled copy in a temporary."""
+    assert how.premul is not None, "called for PREMUL_SUM only, which carries its factor"
     tmp = whole(plan.temp(src.count), src.count)
     plan.steps += [Copy(src, tmp), Scale(tmp, how.premul)]
     return tmp
@@ -284,7 +285,7 @@ def all_to_all_single(wire: Wire, out_splits: Sequence[int], in_splits: Sequence
 def _exchange(outs: Sequence[Region], ins: Sequence[Region], rank: int) -> Group:
     """One group: a send of ins[k] to and a receive of outs[k] from every other rank k, empty
     ones left out (both sides agree on sizes, so both leave the same ones out)."""
-    steps = []
+    steps: List[Union[Send, Recv]] = []
     for k in range(len(outs)):
         if k == rank:
             continue

@@ -211,6 +211,7 @@ class Admission:
             what = "a TCPStore handshake" if first[0] == Op.VALIDATE else f"first byte 0x{first[0]:02x}"
             raise Refused(f"refused: it speaks plaintext ({what}) to a store that requires TLS: a distlib client "
                           f"needs DISTLIB_TLS_CA; torch clients cannot use TLS", reply=tls.PLAINTEXT_REFUSAL)
+        assert self.tls_context is not None, "a TLS step only where TLS is required"
         conn.sock = self.tls_context.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
         conn.gate.step = TLS
         return True
@@ -239,6 +240,7 @@ class Admission:
     def _verify(self, conn) -> None:
         gate = conn.gate
         response = bytes(gate.got[: auth.RESPONSE_BYTES])
+        assert self.token is not None, "a token step only with a token"
         verdict = auth.verify_response(self.token, gate.nonce, response)
         if verdict is None:
             if response.startswith(_VALIDATE_BYTES):

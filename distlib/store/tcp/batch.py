@@ -69,7 +69,7 @@ _send = socket.socket.send
 #: A connection in this state has no partial request, nothing queued behind a wait, no
 #: pending wait, no unsent output and no replies produced this turn.
 _plain_state = attrgetter("validated", "inbuf", "held", "wait_count", "pending", "closed", "out", "tls")
-_PLAIN = (True, None, None, 0, None, False, [], False)  # (TLS: its sockets are not socket.socket)
+_PLAIN: tuple = (True, None, None, 0, None, False, [], False)  # (TLS: its sockets are not socket.socket)
 
 #: Turns of fewer events go through the general path. The batch path's own work per turn
 #: (a few passes over the events, a frame lookup) pays off only over several requests.
@@ -171,7 +171,7 @@ class BatchPath:
         run_conns: list = []
         wait_key = None  # likewise a run of WAITs on one key: one wait_all
         wait_conns: list = []
-        for conn, frame in zip(conns, results):
+        for conn, frame in zip(conns, results, strict=True):
             kind = known(frame)
             if kind is None:
                 if frame.__class__ is not bytes or len(frame) >= recv_size:
@@ -222,7 +222,7 @@ class BatchPath:
         if sent == list(map(len, replies)):
             return []
         rest = []
-        for conn, reply, taken in zip(conns, replies, sent):
+        for conn, reply, taken in zip(conns, replies, sent, strict=True):
             if taken < len(reply) and not conn.closed:
                 conn.out.append(reply[taken:])
                 rest.append(conn)

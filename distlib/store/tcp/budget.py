@@ -91,7 +91,7 @@ class MemoryBudget:
         reason, until under it again (``close`` must ``discharge`` them)."""
         state = self.state
         holding = {conn: conn.buffered + state.cost_of(conn) for conn in conns if conn.buffered or conn.wait_count}
-        for conn in sorted(holding, key=holding.get, reverse=True):
+        for conn in sorted(holding, key=holding.__getitem__, reverse=True):
             held_now = self.buffered + state.wait_bytes
             if held_now <= self.limit:
                 return

@@ -186,6 +186,7 @@ class TCPStore(RequestChannel, Store):
         self._attach(sock)
 
     def _wait_for_workers(self, world_size: int, joined: int, deadline: Deadline) -> None:
+        assert self._server is not None, "called where this handle hosts the server"
         server = self._server.server
         server.wait_for_workers(world_size, deadline)
         if server.workers_joined >= world_size:

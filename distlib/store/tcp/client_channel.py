@@ -29,7 +29,7 @@ import select
 import socket
 import time
 from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ...busy_poll import BusyPoll
 from ...deadline import format_duration
@@ -88,7 +88,7 @@ class RequestChannel:
         raise NotImplementedError
 
     def _init_channel(self, in_process: bool) -> None:
-        self._sock: Optional[socket.socket] = None
+        self._sock: Any = None  # once attached: the socket, or a TlsSocket over it
         self._rbuf = bytearray()
         self._broken: Optional[str] = None
         self._recv_probe: Optional[Callable[[], bytes]] = None  # a non-blocking recv, once attached
@@ -189,6 +189,7 @@ class RequestChannel:
         """
         chunk = None
         if timeout != 0:
+            assert self._recv_probe is not None, "set with the socket (_attach)"
             try:
                 chunk = self._busy_poll.spin(self._recv_probe, timeout is None)
             except OSError as exc:
@@ -203,6 +204,7 @@ class RequestChannel:
         """Block in poll(2) until the socket has data or the deadline passes; read it."""
         limit = self._reply_deadline() if timeout is None else timeout
         deadline = time.monotonic() + limit
+        assert self._poller is not None, "set with the socket (_attach)"
         poll = self._poller.poll
         recv = self._sock.recv
         left = limit

@@ -233,7 +233,7 @@ def pairs_encoder(op: int) -> Callable[[Sequence[bytes], Sequence[bytes]], bytes
     """PAIRS (MULTI_SET): u64 count then (key blob, value blob) pairs."""
     def encode(keys: Sequence[bytes], values: Sequence[bytes]) -> bytes:
         parts: List[bytes] = [_pack_op_u64(op, len(keys))]
-        for k, v in zip(keys, values):
+        for k, v in zip(keys, values, strict=True):
             parts.append(_pack_u64(len(k)) + k + _pack_u64(len(v)) + v)
         return b"".join(parts)
     return encode
@@ -506,7 +506,7 @@ def _named(op: Op) -> Callable[..., bytes]:
 
 
 #: The encoder of each opcode's requests (its layout's, with the opcode bound).
-ENCODERS: Dict[int, Callable[..., bytes]] = {op: _named(op) for op in REQUESTS}
+ENCODERS: Dict[int, Callable[..., bytes]] = {op: _named(Op(op)) for op in REQUESTS}
 
 
 def encode(op: int, *fields) -> bytes:

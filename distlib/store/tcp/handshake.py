@@ -206,6 +206,7 @@ def _tls_handshake(sock: socket.socket, host: str, where: str, deadline: Deadlin
                    security: StoreSecurity):
     """TLS over a connected TCP socket: the server must prove the name ``host`` with a
     certificate the CA signed. StoreRefused naming the check that failed."""
+    assert security.client_tls is not None, "called only with TLS"
     wrapped = security.client_tls.wrap_socket(sock, server_hostname=host.strip("[]"),
                                               do_handshake_on_connect=False)
     try:
@@ -279,7 +280,7 @@ class _Talk:
         sock = self.sock
         while len(buf) < n:
             try:
-                chunk = self.run(what, lambda: sock.recv(n - len(buf)), patience)
+                chunk = self.run(what, lambda: sock.recv(n - len(buf)), patience)  # noqa: B023 - run() calls it now
             except ConnectionResetError:
                 chunk = b""  # closed with our bytes unread: a refusal too, said the same way
             if chunk is None:
@@ -358,4 +359,4 @@ def _ask_silent_server(talk: _Talk, nonce: int) -> bool:
                            f"authenticate); this client uses only a store that proves it holds the token")
     if auth.is_challenge_start(first):
         raise _Slow()
-    _check_echo(first + b"\x00", nonce, where)  # raises: a TLS alert, or not a store
+    return _check_echo(first + b"\x00", nonce, where)  # raises: a TLS alert, or not a store

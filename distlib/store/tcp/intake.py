@@ -274,6 +274,7 @@ class Intake:
     def handshakes_done(self) -> None:
         """Connections the TLS handshake thread handed back: refused ones are closed; the
         others go on to the token or VALIDATE, on the loop."""
+        assert self.tls_handshakes is not None, "started with TLS"
         finished = self.tls_handshakes.finished
         while finished:
             conn, refusal = finished.popleft()
@@ -317,6 +318,7 @@ class Intake:
         if refusal is not None:
             self.close(conn, refusal)
             return
+        assert conn.gate is not None, "admitted once, through its gate"
         leftover = conn.gate.got
         conn.gate = None
         del self.admitting[conn.fd]
@@ -358,7 +360,7 @@ class Intake:
         for counts in (self.refusals, self.connection_log):
             if counts.due is not None and now >= counts.due:
                 counts.flush()
-        due = [t for t in (order[0].gate.deadline if order else None, self.strangers.next_due(),
+        due = [t for t in (order[0].gate.deadline if order and order[0].gate is not None else None, self.strangers.next_due(),
                            self._accept_paused_until or None, self.refusals.due, self.connection_log.due)
                if t is not None]
         self.due = min(due) if due else None

@@ -89,6 +89,7 @@ class ReplySender:
                 replies.append(out.pop())
             elif out:  # (empty: listed twice this turn, or closed)
                 rest.append(conn)
+        assert self.batch is not None, "flush() takes this path only with the batch path"
         rest += self.batch.send_replies(conns, replies)
         return rest
 

@@ -290,6 +290,7 @@ class StoreServer:
         """A turn the batch path took: it runs the frames it knows, in order; from the first
         one it does not, every connection goes through the general path, in order, with the
         bytes already received."""
+        assert self.batch is not None, "a batch turn only with the batch path"
         done, results = self.batch.run(conns, RECV_SIZE, self.engine.answered)
         for i in range(done, len(conns)):
             conn = conns[i]
@@ -394,7 +395,7 @@ class StoreServer:
                 self._evict()
                 if conn.closed:
                     return False
-        return go_on and (len(data) >= size or ev & EPOLLRDHUP)
+        return go_on and (len(data) >= size or ev & EPOLLRDHUP != 0)
 
     def _recv_failed(self, conn: Connection, exc: OSError) -> None:
         if not isinstance(exc, (BlockingIOError, InterruptedError)):

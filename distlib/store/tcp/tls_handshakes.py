@@ -24,12 +24,12 @@ import os
 import select
 import threading
 import time
-from typing import Callable, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 from .admission import TIMEOUT_S, TLS_DONE, WANT_WRITE, Admission, Refused
 
 #: Connection -> its outcome: None (the handshake is done) or why it was refused.
-Finished = Tuple[object, Optional[Refused]]
+Finished = Tuple[Any, Optional[Refused]]  # (a Connection, why it was refused)
 
 
 class TlsHandshakes:
@@ -43,7 +43,7 @@ class TlsHandshakes:
         self.finished: Deque[Finished] = collections.deque()
         self._incoming: Deque = collections.deque()
         self._dropping: Deque[Finished] = collections.deque()  # (conn, why), from the loop
-        self._conns: Dict[int, object] = {}
+        self._conns: Dict[int, Any] = {}  # fd -> Connection
         self._by_deadline: Deque = collections.deque()  # in submission order: deadlines ascend
         self._ep = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
@@ -128,7 +128,8 @@ class TlsHandshakes:
     def _expire(self) -> None:
         now = time.monotonic()
         order = self._by_deadline
-        while order and (self._conns.get(order[0].fd) is not order[0] or order[0].gate.deadline <= now):
+        # (mypy narrows order[0] to the dict's Optional through `is not`: the ignore below)
+        while order and (self._conns.get(order[0].fd) is not order[0] or order[0].gate.deadline <= now):  # type: ignore[union-attr]
             conn = order.popleft()
             if self._conns.get(conn.fd) is conn:
                 self._finish(conn, Refused(f"refused: did not complete the TLS handshake within {TIMEOUT_S:g} s of "

@@ -21,6 +21,7 @@ import atexit
 import faulthandler
 import importlib.abc
 import importlib.machinery
+import io
 import json
 import os
 import signal
@@ -42,9 +43,10 @@ class _Agent:
 
     def __init__(self, path):
         self._lock = threading.Lock()
-        self._sock = None
-        self._reader = None
-        self._gates = frozenset()
+        # no typing import here: this module runs at the start of every process of a job
+        self._sock: socket.socket | None = None
+        self._reader: io.BufferedReader | None = None
+        self._gates: frozenset[int] = frozenset()
         self._count = 0
         self.rank = _int(_ENV.get("RANK"), -1)
         self.restart = _int(_ENV.get("TORCHELASTIC_RESTART_COUNT"), 0)
@@ -62,6 +64,8 @@ class _Agent:
                              f"this process runs unobserved\n")
 
     def _send(self, message):
+        if self._sock is None:  # not connected (or the harness went away)
+            return
         message.update(node=_ENV.get("DISTLIB_TESTING_NODE", "?"), pid=os.getpid(), rank=self.rank, t=time.time(),
                        restart=self.restart)
         self._sock.sendall(json.dumps(message).encode() + b"\n")
@@ -72,7 +76,7 @@ class _Agent:
                 return
             try:
                 self._send(message)
-                if wait:
+                if wait and self._reader is not None:
                     self._sock.settimeout(_GATE_LIMIT_S)
                     self._reader.readline()  # "go" (or EOF: the harness is gone; go on)
                     self._sock.settimeout(None)
@@ -120,7 +124,7 @@ class _ObserveDistlib(importlib.abc.MetaPathFinder):
             run(module)
             module.collective_entered = agent.collective
 
-        loader.exec_module = exec_module
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this one loader's, on purpose
         return spec
 
 

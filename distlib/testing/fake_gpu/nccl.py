@@ -240,6 +240,7 @@ class NcclCommunicator:
 
     def _exchange(self, seq: int, mine: Optional[np.ndarray], ranks, dtype) -> Optional[Dict[int, np.ndarray]]:
         if self.dir is None:
+            assert mine is not None, "one process: its own buffer is the only one"
             return {0: mine}
         if mine is not None:
             self._post(f"c{seq}.{self.me}", mine.tobytes())

@@ -85,7 +85,7 @@ def survived_or_named(result) -> None:
     for rank, record in result.ranks.items():
         if record.exception_type is None:
             continue
-        assert record.exception_type.startswith("Dist"), record.summary()
+        assert record.exception_type.startswith("Dist"), f"rank {rank}: {record.summary()}"
         assert "rank " in (record.exception_text or ""), record.summary()
 
 

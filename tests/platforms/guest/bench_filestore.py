@@ -28,7 +28,7 @@ def main() -> None:
     path, ops = sys.argv[1], int(sys.argv[2])
     store = FileStore(path, -1)
     store.set("k", "v" * 64)
-    for i in range(10):  # warm-up: the file is open in the client's caches
+    for _ in range(10):  # warm-up: the file is open in the client's caches
         store.add("n", 1)
     out = {
         "set_us": per_op(lambda i: store.set("k", "v" * 64), ops),

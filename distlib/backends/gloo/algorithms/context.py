@@ -125,7 +125,8 @@ class OpContext:
 def bview(array: np.ndarray) -> memoryview:
     """Byte memoryview of a contiguous array (no copy)."""
     flat = array.reshape(-1)
-    return memoryview(flat.view(np.uint8)) if flat.size else memoryview(bytearray(0))
+    # an ndarray is a buffer: numpy's stubs declare it (PEP 688) for Python >= 3.12 only
+    return memoryview(flat.view(np.uint8)) if flat.size else memoryview(bytearray(0))  # type: ignore[arg-type]  # see above
 
 
 def chunk_bounds(count: int, parts: int) -> List[Tuple[int, int]]:

@@ -54,7 +54,7 @@ def split_broadcast(ctx: OpContext, flat: np.ndarray, root: int) -> None:
             lo, hi = bounds[(v - s - 1) % n]
             slots.append([ctx.post(left, bview(flat[a:b]), (1 + s) * STEP_STRIDE + k)
                           for k, (a, b) in enumerate(pieces(lo, hi, itemsize))])
-    if r == root:
+    if scatter_slot is None:  # the root
         for i in range(1, n):
             lo, hi = bounds[i]
             ctx.send((root + i) % n, bview(flat[lo:hi]), 0)
@@ -99,6 +99,7 @@ def gather(ctx: OpContext, outputs: Optional[Sequence[np.ndarray]], mine: np.nda
     if r != root:
         ctx.send(root, bview(mine), 0)
         return
+    assert outputs is not None, "the root's outputs (collectives.gather checks them)"
     slots = [ctx.post(p, bview(outputs[p]), 0) for p in range(n) if p != r]
     outputs[r].reshape(-1)[...] = mine.reshape(-1)
     for slot in slots:
@@ -110,6 +111,7 @@ def scatter(ctx: OpContext, output: np.ndarray, inputs: Optional[Sequence[np.nda
     if r != root:
         ctx.wait(ctx.post(root, bview(output), 0))
         return
+    assert inputs is not None, "the root's inputs (collectives.scatter checks them)"
     for i in range(1, n):
         p = (root + i) % n
         ctx.send(p, bview(inputs[p]), 0)

@@ -166,6 +166,7 @@ def ring(ctx: OpContext, flat: np.ndarray, op: Optional[ReduceOp], owner_shift: 
             for k, (slot, a, b, buf) in enumerate(posted.pop(index)):
                 ctx.wait(slot)
                 if kind == "reduce":
+                    assert op is not None, "a reduce phase has its op"
                     accumulate(op, flat[a:b], buf)
                 if forward:
                     ctx.send(right, bview(flat[a:b]), (index + 1) * STEP_STRIDE + k)
@@ -173,7 +174,7 @@ def ring(ctx: OpContext, flat: np.ndarray, op: Optional[ReduceOp], owner_shift: 
             if kind == "reduce" and ahead < reduce_steps:
                 posted[ahead] = post(ahead)
     finally:
-        if pool is not None:
+        if pool is not None and raw is not None:  # taken together
             pool.release(raw)
     return bounds
 

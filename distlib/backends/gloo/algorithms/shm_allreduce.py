@@ -48,8 +48,9 @@ def mesh_barrier(ctx: OpContext, base: int, count: Optional[int] = None) -> None
     n, r = ctx.size, ctx.rank
     mine = np.array([count if count is not None else 0], np.int64)
     heard = np.zeros(1, np.int64)
-    payload = memoryview(mine.view(np.uint8)) if count is not None else memoryview(bytearray(0))
-    inbox = memoryview(heard.view(np.uint8)) if count is not None else memoryview(bytearray(0))
+    # an ndarray is a buffer: numpy's stubs declare it (PEP 688) for Python >= 3.12 only
+    payload = memoryview(mine.view(np.uint8)) if count is not None else memoryview(bytearray(0))  # type: ignore[arg-type]  # see above
+    inbox = memoryview(heard.view(np.uint8)) if count is not None else memoryview(bytearray(0))  # type: ignore[arg-type]  # see above
     distance, round_ = 1, 0
     while distance < n:
         source = (r - distance) % n
@@ -84,7 +85,9 @@ class ShmAllReduce:
 
     def _slot_array(self, which: int, rank: int, dtype: np.dtype, count: int) -> np.ndarray:
         offset = (which * self.size + rank) * self.slot
-        return np.frombuffer(self.segment.mm, dtype=dtype, count=count, offset=offset)
+        mm = self.segment.mm
+        assert mm is not None, "a segment is mapped until it is closed"
+        return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
 
     def run(self, ctx: OpContext, flat: np.ndarray, op: ReduceOp, channel: Optional[SmallChannel] = None) -> None:
         n, r = ctx.size, ctx.rank

@@ -88,6 +88,7 @@ def gather(ch: SmallChannel, seq: int, outputs: Optional[Sequence[np.ndarray]], 
            word: int) -> None:
     slots = _exchange(ch, seq, word, mine.size, mine.dtype, mine.size, mine)
     if ch.rank == root:
+        assert outputs is not None, "the root's outputs (collectives.gather checks them)"
         for k, out in enumerate(outputs):
             out[...] = slots[k]
 
@@ -96,7 +97,11 @@ def scatter(ch: SmallChannel, seq: int, output: np.ndarray, inputs: Optional[Seq
             word: int) -> None:
     """The root's slot holds every rank's piece, one after another."""
     m = output.size
-    slots = _exchange(ch, seq, word, m, output.dtype, m * ch.size, pieces=inputs if ch.rank == root else ())
+    pieces: Sequence[np.ndarray] = ()
+    if ch.rank == root:
+        assert inputs is not None, "the root's inputs (collectives.scatter checks them)"
+        pieces = inputs
+    slots = _exchange(ch, seq, word, m, output.dtype, m * ch.size, pieces=pieces)
     output[...] = slots[root][ch.rank * m:(ch.rank + 1) * m]
 
 

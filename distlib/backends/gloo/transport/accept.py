@@ -134,14 +134,13 @@ class Handshakes:
     def _read(self, entry: _Pending) -> Optional[int]:
         """Read what the connection's stage still needs; the peer's rank once its HELLO is
         complete and valid, else None (``entry.stage`` becomes "closed" when it is dropped)."""
+        error: Optional[OSError] = None
         try:
             chunk = entry.sock.recv(entry.need)
         except (BlockingIOError, InterruptedError):
             return None
         except OSError as exc:
             chunk, error = b"", exc
-        else:
-            error = None
         if not chunk:
             self._drop(entry, f"it closed the connection ({error or 'end of stream'}) {self._progress(entry)}")
             return None
@@ -154,6 +153,7 @@ class Handshakes:
         return self._hello(entry)
 
     def _verify(self, entry: _Pending) -> None:
+        assert self.token is not None, "the auth stage exists only with a token"
         verdict = auth.verify_response(self.token, entry.nonce, bytes(entry.buf))
         if verdict is None:
             self._send(entry.sock, bytes([auth.REFUSED]))

@@ -100,11 +100,15 @@ def listen(bind_address: str, port_range: Optional[Tuple[int, int]], backlog: in
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.bind((bind_address, port))
-        except OSError:
+        except OSError as exc:
             sock.close()
+            if port_range is None:  # any port: the address itself is the problem
+                raise DistNetworkError(f"cannot listen on {bind_address} (errno {exc.errno}: {exc.strerror}): "
+                                       "is it an address of this host?") from exc
             continue
         sock.listen(backlog)
         return sock
+    assert port_range is not None, "with any port, the loop returns or raises"
     raise DistNetworkError(
         f"no free port in DISTLIB_PORT_RANGE={port_range[0]}-{port_range[1]} on {bind_address}: "
         f"all {len(ports)} ports are in use; widen the range or stop what holds them")

@@ -192,6 +192,7 @@ class Connector:
     def _authenticate_to(self, peer: int, sock: socket.socket, host: str, port: int, deadline: Deadline) -> None:
         """Prove the token to rank ``peer``'s listener, and make it prove it back."""
         where = f"rank {peer} at {endpoint(host, port)}"
+        assert self.token is not None, "called only with a token"
         try:
             auth.connect_blocking(sock, self.token, deadline, where)
         except (auth.AuthError, OSError) as exc:

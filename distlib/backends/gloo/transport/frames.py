@@ -113,7 +113,7 @@ def why_mismatched(mine: tuple, theirs: tuple) -> str:
                "the arrays have different dtypes on different ranks",
                "the ranks passed different reduce ops",
                "the ranks passed different roots (src/dst)")
-    for a, b, reason in zip(mine, theirs, reasons):
+    for a, b, reason in zip(mine, theirs, reasons, strict=False):
         if a != b:
             return reason
     return "the arrays have different sizes on different ranks"

@@ -27,7 +27,7 @@ import errno
 import logging
 import socket
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ....deadline import Deadline, format_duration
 from ....errors import DistBackendError
@@ -52,7 +52,7 @@ class BlockedSend:
     __slots__ = ("conn", "what")
     sending = True
 
-    def __init__(self, conn: PeerConnection, what: str):
+    def __init__(self, conn: PeerConnection, what: object):
         self.conn = conn
         self.what = what
 
@@ -75,7 +75,7 @@ class Health:
         #: Why the group failed (or that it was destroyed); None while it works.
         self.error: Optional[DistBackendError] = None
         #: What threads are blocked on, by key, with the time they began
-        self.waits: Dict[int, Tuple[object, float]] = {}
+        self.waits: Dict[int, Tuple[Any, float]] = {}  # a Slot or a BlockedSend (conn, sending, what)
         self._last_beat = 0.0
         #: Called (no arguments) when the group fails, a peer's connection is lost, or the mesh
         #: closes: see the module's docstring.
@@ -238,13 +238,12 @@ class Health:
         self.troubled()
         return conn.failed
 
-    def operation_failed(self, error: BaseException) -> BaseException:
+    def operation_failed(self, error: DistBackendError) -> DistBackendError:
         """What an operation whose receive failed raises: its own error, after telling the
         other ranks (abort), unless the group had already learnt the cause. A peer that aborts
         closes its connections, and its ABORT can arrive on another connection than the one
         whose close this rank saw first (or be lost to a reset); the cause beats the symptom."""
-        if getattr(error, "connection_lost", False) and self.error is not None \
-                and not getattr(self.error, "connection_lost", False):
+        if error.connection_lost and self.error is not None and not self.error.connection_lost:
             return self.error
         return self.abort(error)  # this operation failed: tell the other ranks
 

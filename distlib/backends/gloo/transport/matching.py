@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from ....errors import DistBackendError
 
 from . import frames
 from .frames import DATA, agree, disagreement
@@ -42,7 +44,7 @@ class Slot:
     __slots__ = ("view", "kind", "op", "dtype", "redop", "nbytes", "count", "what",
                  "event", "done", "error", "source", "conn", "seq")
 
-    def __init__(self, view: memoryview, kind: int, op: int, dtype: int, redop: int, count: int, what: str,
+    def __init__(self, view: memoryview, kind: int, op: int, dtype: int, redop: int, count: int, what: object,
                  seq: int = -1):
         self.view = view
         self.kind = kind
@@ -51,15 +53,15 @@ class Slot:
         self.redop = redop
         self.nbytes = view.nbytes
         self.count = count
-        self.what = what
+        self.what = what  # a str, or an object formatted only when shown (algorithms.context.Label)
         self.seq = seq  # the operation's number (DATA), for heartbeats
         self.event = threading.Event()
         self.done = False
-        self.error: Optional[BaseException] = None
+        self.error: Optional[DistBackendError] = None
         self.source = -1
         #: The peer's connection (anything with ``name()`` and ``peer``); None while a
         #: receive from any source has not matched.
-        self.conn = None
+        self.conn: Any = None
 
     @property
     def operation(self) -> Optional[Tuple[int, int, int, int, int]]:
@@ -71,7 +73,7 @@ class Slot:
         self.done = True
         self.event.set()
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: DistBackendError) -> None:
         if not self.done:
             self.error = error
             self.done = True

@@ -160,8 +160,9 @@ class SmallChannel:
         self._spin_misses = 0
         self._spin_quiet_until = 0.0  # no spinning before this perf_counter() time
         mm = segment.mm
+        assert mm is not None, "a segment is mapped until it is closed"
         self._words = memoryview(mm).cast("q")
-        self._anchor = ctypes.c_char.from_buffer(mm)
+        self._anchor: Optional[ctypes.c_char] = ctypes.c_char.from_buffer(mm)
         self._address = ctypes.addressof(self._anchor)
         self._ctl = [(1 + r) * _WORDS for r in range(size)]
         stride = LINE + _round(slot_bytes)
@@ -188,6 +189,7 @@ class SmallChannel:
             if len(self._views) >= VIEW_CACHE:
                 self._views.clear()
             mm = self.segment.mm
+            assert mm is not None, "a segment is mapped until it is closed"
             found = [[np.frombuffer(mm, dtype, count, offset + LINE) for offset in row]
                      for row in self._slot_offset]
             self._views[key] = found

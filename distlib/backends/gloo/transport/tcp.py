@@ -99,6 +99,7 @@ class Mesh:
                     rcvbuf: Sequence[int] = ()) -> None:
         """Connect to every lower rank, accept every higher one (connection.py), start the
         progress thread. ``rcvbuf[peer]``, where given and > 0, fixes that connection's SO_RCVBUF."""
+        assert self.listener is not None, "set by the group's setup before connect_all"
         self.connector.connect_all(self.listener, addresses, deadline, rcvbuf, self._add, self.conns)
         self.progress.start()
 
@@ -122,7 +123,7 @@ class Mesh:
 
     # -- sending ---------------------------------------------------------------------------------
 
-    def send(self, peer: int, header: bytes, payload: memoryview, deadline: Deadline, what: str) -> None:
+    def send(self, peer: int, header: bytes, payload: memoryview, deadline: Deadline, what: object) -> None:
         """Send one frame to ``peer`` (header + payload, no copy of the payload)."""
         conn = self._conn(peer, what)
         with conn.send_lock:
@@ -168,7 +169,7 @@ class Mesh:
                 if blocked_key is not None:
                     self.health.end_wait(blocked_key)
 
-    def _send_failed(self, conn: PeerConnection, what: str, exc: Optional[OSError]) -> DistBackendError:
+    def _send_failed(self, conn: PeerConnection, what: object, exc: Optional[OSError]) -> DistBackendError:
         error = self.health.peer_lost(conn, f"sending {what}", exc)
         return self.health.abort(error)
 
@@ -188,7 +189,7 @@ class Mesh:
         return conn.name() if conn is not None else f"rank {peer}"
 
     def post_data(self, peer: int, seq: int, step: int, view: memoryview, op: int, dtype: int, redop: int,
-                  count: int, what: str) -> Slot:
+                  count: int, what: object) -> Slot:
         """Post the receive of a collective's frame ``(seq, step)`` from ``peer``."""
         conn = self._conn(peer, what)
         slot = Slot(view, DATA, op, dtype, redop, count, what, seq)
@@ -220,6 +221,7 @@ class Mesh:
 
     def _fill_from_early(self, conn: PeerConnection, slot: Slot, header: tuple, data: bytearray) -> None:
         if not self._fill(conn, slot, header, data):
+            assert slot.error is not None, "_fill failed the receive"
             raise slot.error
 
     def wait(self, slot: Slot, deadline: Deadline) -> int:
@@ -321,7 +323,7 @@ class Mesh:
 
     # -- reading frames (the caller holds conn.read_lock) ---------------------------------------
 
-    def _recv_into(self, conn: PeerConnection, view: memoryview, what: str) -> None:
+    def _recv_into(self, conn: PeerConnection, view: memoryview, what: object) -> None:
         """Fill ``view`` from the socket; the sender is mid-frame, so bytes come promptly."""
         deadline = None
         sock = conn.sock
@@ -419,7 +421,7 @@ class Mesh:
 
     # -- failure and teardown --------------------------------------------------------------------
 
-    def _conn(self, peer: int, what: str) -> PeerConnection:
+    def _conn(self, peer: int, what: object) -> PeerConnection:
         if self.health.error is not None:
             raise self.health.error
         conn = self.conns[peer] if 0 <= peer < self.size else None
