@@ -123,7 +123,7 @@ class Op(enum.IntEnum):
 #: The writes a sequence header (``SEQUENCE_KEY``) may precede: those a retry must not apply
 #: twice.
 SEQUENCED_OPS = frozenset({Op.ADD, Op.COMPARE_SET, Op.APPEND, Op.MULTI_SET, Op.DELETE_KEY, Op.QUEUE_PUSH,
-                           Op.QUEUE_POP})
+                           Op.QUEUE_POP, Op.BARRIER})
 
 READY = 0  # CHECK: every key exists  (READY is 0, NOT_READY is 1: easy to get backwards)
 NOT_READY = 1
@@ -417,8 +417,8 @@ class ManyScan:
 
     __slots__ = ("pos", "left", "pairs", "index", "limits")
 
-    def __init__(self, op: int, limits: Limits):
-        self.pos = 1  # the next length field (or the count) to read
+    def __init__(self, op: int, limits: Limits, start: int = 0):
+        self.pos = start + 1  # the next length field (or the count) to read (the opcode at ``start``)
         self.left = -1  # blobs still to find; -1: the count is not read yet
         self.pairs = op == Op.MULTI_SET
         self.index = 0  # blobs found so far (in PAIRS, odd ones are values)
@@ -556,6 +556,11 @@ def request_end(buf, pos: int, end: int, limits: Limits) -> int:
             return -(r + 1)
         r = decode(buf, r, end, limits)[2]
     return r
+
+
+#: What every sequence header starts with (its opcode, key and value length), and its length.
+SEQUENCE_PREFIX = bytes([Op.SET]) + U64.pack(len(SEQUENCE_KEY)) + SEQUENCE_KEY + U64.pack(24)
+SEQUENCE_HEADER_BYTES = len(SEQUENCE_PREFIX) + 24
 
 
 def sequence_header(session: bytes, seq: int) -> bytes:

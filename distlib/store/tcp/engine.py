@@ -32,7 +32,8 @@ from typing import Callable, List, Optional
 
 from . import codec
 from .budget import ClientLimits, MemoryBudget
-from .codec import MANY_KEY_OPS, STOP_WAITING, U64, Limits, ManyScan, Op, ProtocolError
+from .codec import (MANY_KEY_OPS, SEQUENCE_HEADER_BYTES, SEQUENCE_PREFIX, STOP_WAITING, U64, Limits, ManyScan, Op,
+                    ProtocolError)
 from .connection import Connection
 from .handlers import CloseConnection, Handlers
 from .journal import Journal
@@ -206,7 +207,14 @@ class RequestEngine:
         self.budget.charge(conn, len(rest))
         if not conn.paused:
             conn.need -= consumed
-            if rest[0] in MANY_KEY_OPS:  # its end is found by one pass over what arrives
+            header = SEQUENCE_HEADER_BYTES  # a numbered MULTI_SET: scanned from after its header
+            if len(rest) > header and rest[header] in MANY_KEY_OPS and rest.startswith(SEQUENCE_PREFIX):
+                conn.scan = ManyScan(rest[header], self.limits, header)
+                try:
+                    conn.need = -conn.scan.advance(rest, len(rest))
+                except ProtocolError as exc:
+                    raise CloseConnection(f"malformed request: {exc}") from None
+            elif rest[0] in MANY_KEY_OPS:  # its end is found by one pass over what arrives
                 state = self.state
                 if rest[0] == _WAIT and len(rest) >= 9 and U64.unpack_from(rest, 1)[0] > state.max_wait_keys:
                     # over the cap: refused now, not after tens of megabytes of keys arrive

@@ -63,6 +63,8 @@ _EMPTY_BLOB = U64.pack(0)
 _ZERO_I64 = I64.pack(0)
 _pack_u64 = U64.pack
 _pack_i64 = I64.pack
+_BARRIER = int(Op.BARRIER)
+_UNANSWERED = frozenset({Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH})
 
 #: Values up to this size are copied behind their length in one reply part; larger ones are
 #: sent from the stored object (see the module docstring).
@@ -150,7 +152,16 @@ class Handlers:
         entry = state.sessions.get(session)
         if entry is not None and seq <= entry.seq:
             if seq < entry.seq:
+                # a write without reply the client re-sends with those after it (it could not know
+                # that the server ran them): applied before, nothing to answer
+                if op in _UNANSWERED:
+                    return r
                 raise ProtocolError(f"write {seq} of session {session.hex()} re-sent after its write {entry.seq}")
+            if op == _BARRIER:  # counted already: wait for the rest without counting again
+                key, world_size, _ = read_key_i64(buf, pos + 1, r, self.limits)
+                if state.rejoin_barrier(conn, key, world_size):
+                    conn.out.append(_STOP)
+                return r
             if entry.reply:
                 conn.out.append(entry.reply)  # applied before: the same answer, not again
             return r

@@ -4,8 +4,10 @@ write the client re-sends after a reconnect is answered, not applied again (exac
 A distlib client names a session (16 random bytes) and numbers its writes that are not
 idempotent (ADD, COMPARE_SET, APPEND, MULTI_SET, DELETE_KEY, QUEUE_PUSH, QUEUE_POP): the
 sequence header goes just before the write, in the same send (docs/wire-protocol.md,
-"Sequenced writes"). A client has at most one such write in flight, so one entry per session
-is enough: a repeated (session, seq) gets the stored reply, a lower seq is refused.
+"Sequenced writes"). A client has at most one write with a reply in flight, so one entry per
+session is enough: a repeated (session, seq) gets the stored reply; a lower seq is a write
+without reply (APPEND, MULTI_SET, QUEUE_PUSH) re-sent with the ones after it, applied before,
+and skipped (a lower seq of a write with a reply is a client's bug: refused).
 
 Bounds: a session is forgotten after ``SESSION_IDLE_S`` without a sequenced write (it must
 outlive any reconnect window: the client retries for at most its store timeout, 30 minutes

@@ -329,6 +329,19 @@ class KeyValueState:
                         other.wait_count = 0
                         self._release(other)
             return True
+        self._join_barrier(waiter, key)
+        return False
+
+    def rejoin_barrier(self, waiter: Waiter, key: bytes, world_size: int) -> bool:
+        """A BARRIER whose arrival was counted already (a client re-sent it after a reconnect:
+        sessions.py): True when the barrier is full, else ``waiter`` waits for the rest,
+        without counting again."""
+        if self.counter(key, "BARRIER") >= world_size:
+            return True
+        self._join_barrier(waiter, key)
+        return False
+
+    def _join_barrier(self, waiter: Waiter, key: bytes) -> None:
         if key not in self.barrier_waiters and len(self.barrier_waiters) >= self.max_waiting_keys:
             raise StateError(f"BARRIER on a new key: the server already holds {len(self.barrier_waiters)} barriers "
                              f"for its clients, and at most {self.max_waiting_keys} (--max-wait-keys)")
@@ -341,7 +354,6 @@ class KeyValueState:
             self.wait_bytes += len(key) + WAIT_KEY_COST
         waiter.barrier_key = key
         waiter.wait_count = 1
-        return False
 
     def cancel(self, waiter: Waiter) -> None:
         """Forget every wait of ``waiter`` (CANCEL_WAIT, or its connection closed)."""
