@@ -234,23 +234,24 @@ def test_a_crash_at_any_step_of_compaction_recovers(tmp_path, step):
     journal.recover()
     journal.pending.append(records.frame(records.set_record(b"a", b"1")))
     journal.commit()
+    first = os.path.join(tmp_path, journal_name(1))
+    with open(first, "rb") as fh:
+        covered = fh.read()
     image = records.Image()
     image.data = {b"a": b"1"}
-    journal._fd, fd = -1, journal._fd  # (rotate by hand: the snapshot thread is what the crash stops)
-    os.close(fd)
-    journal._open(2)
+    journal.copy_state = lambda: image
+    journal.compact()  # journal 2 from now on; snapshot 1 written, journal 1 deleted
+    assert journal.wait_compaction(30)
     journal.pending.append(records.frame(records.set_record(b"b", b"2")))
     journal.commit()
-    from distlib.store.tcp.journal import write_snapshot
-
-    snap = os.path.join(tmp_path, snapshot_name(1))
-    if step == "tmp-written":
-        write_snapshot(snap + ".tmp", image)
-    else:
-        write_snapshot(snap, image)
-        if step == "covered-deleted":
-            os.unlink(os.path.join(tmp_path, journal_name(1)))
     journal.close()
+    snap = os.path.join(tmp_path, snapshot_name(1))
+    assert sorted(os.listdir(tmp_path)) == [journal_name(2), "lock", snapshot_name(1)]
+    if step != "covered-deleted":  # the crash came before the covered journal was deleted ...
+        with open(first, "wb") as fh:
+            fh.write(covered)
+    if step == "tmp-written":  # ... or before the snapshot was renamed into place
+        os.rename(snap, snap + ".tmp")
     server = StoreServer("127.0.0.1", 0, security=OPEN, state_dir=str(tmp_path))
     try:
         assert state_of(server)[0] == {b"a": b"1", b"b": b"2"}
