@@ -173,8 +173,10 @@ class Handlers:
         except BaseException:
             state.end_group(None)
             raise
-        reply = b"".join(out[mark:])
-        state.end_group(state.sessions.record(session, seq, reply))
+        reply = out[-1] if len(out) == mark + 1 else b"".join(out[mark:])
+        more = state.sessions.record(session, seq, reply)
+        if more is not None:
+            state.end_group(more)
         return r
 
     def _op_get(self, conn, buf, pos: int, end: int) -> int:

@@ -32,6 +32,7 @@ class JournaledState(KeyValueState):
         self.data = image.data
         self.queues = image.queues
         self.sessions = Sessions(image.sessions)
+        self.sessions.journaled = True
         self.journal = journal
         self._frames = journal.pending
         self._group: Optional[List[bytes]] = None

@@ -44,6 +44,8 @@ class Sessions:
         self.max_sessions = max_sessions
         self.max_reply_bytes = max_reply_bytes
         self.reply_bytes = sum(len(s.reply) for s in self.table.values())
+        #: Whether ``record`` returns the journal's records (a server with a state directory).
+        self.journaled = False
         self.expire()
 
     def __len__(self) -> int:
@@ -52,9 +54,9 @@ class Sessions:
     def get(self, session: bytes) -> Optional[Session]:
         return self.table.get(session)
 
-    def record(self, session: bytes, seq: int, reply: bytes) -> List[bytes]:
+    def record(self, session: bytes, seq: int, reply: bytes) -> Optional[List[bytes]]:
         """``session`` applied write ``seq``, which answered ``reply``: remember it. Returns the
-        journal records that say so (and which sessions this forgot)."""
+        journal records that say so (and which sessions this forgot) when ``journaled``."""
         now = self.clock()
         table = self.table
         old = table.pop(session, None)
@@ -62,7 +64,12 @@ class Sessions:
             self.reply_bytes -= len(old.reply)
         table[session] = Session(seq, reply, now)
         self.reply_bytes += len(reply)
-        return [session_record(session, seq, now, reply)] + self.expire(now)
+        first = next(iter(table.values()))
+        if now - first.used <= self.idle_s and len(table) <= self.max_sessions and \
+                self.reply_bytes <= self.max_reply_bytes:  # nothing to forget (expire's test, inline)
+            return [session_record(session, seq, now, reply)] if self.journaled else None
+        forgotten = self.expire(now)
+        return [session_record(session, seq, now, reply)] + forgotten if self.journaled else None
 
     def expire(self, now: Optional[float] = None) -> List[bytes]:
         """Forget idle sessions and those past the bounds; the records that say so."""
