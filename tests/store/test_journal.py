@@ -332,3 +332,21 @@ def test_a_sequence_header_before_a_read_closes_the_connection(tmp_path):
         assert raw.sock.recv(1) == b"", "the server answered a sequence header before a GET"
     finally:
         server.stop()
+
+
+def test_a_journal_that_cannot_be_written_stops_the_server_without_a_reply(tmp_path):
+    """Disk full or an I/O error: no reply for a change that is not on disk; the server stops
+    (exit 1 as a service) and its clients see the connection close, as in a crash."""
+    server = serve(tmp_path)
+    raw = Raw(server.port)
+    raw.send(codec.set_(b"k", b"v"))
+    assert raw.get(b"k") == b"v"
+
+    def full():
+        raise OSError(28, "No space left on device")
+
+    server.journal.commit = full
+    raw.send(codec.add(b"n", 1))
+    assert raw.sock.recv(8) == b"", "a change that could not be journaled was answered"
+    server.stop()
+    assert server.failed == "journal write failed: No space left on device"

@@ -279,8 +279,11 @@ class Journal:
     def close(self) -> None:
         """Write what is pending, wait for a compaction, release the directory."""
         if self._fd >= 0:
-            self.commit()
-            os.fsync(self._fd)
+            try:
+                self.commit()
+                os.fsync(self._fd)
+            except OSError as exc:  # (the server stopped on it already, or it is stopping)
+                log.error("journal in %s: the last writes at close failed: %s", self.directory, exc)
             os.close(self._fd)
             self._fd = -1
         self.wait_compaction(60.0)

@@ -160,6 +160,8 @@ class StoreServer:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stopping = False
+        #: Why the server stopped by itself (the journal could not be written), else None.
+        self.failed: Optional[str] = None
         self._released = False  # the descriptors are closed (serve_forever's end, or close())
         self._thread: Optional[threading.Thread] = None
         self._stopped = threading.Event()
@@ -305,9 +307,26 @@ class StoreServer:
             self._evict()
         journal = self.journal
         if journal is not None and journal.pending:  # the turn's changes are on disk before its replies go
-            journal.commit()
+            try:
+                journal.commit()
+            except OSError as exc:
+                self._journal_failed(exc)
+                return
         if engine.answered:
             self.sender.flush(engine.answered)
+
+    def _journal_failed(self, exc: OSError) -> None:
+        """The journal could not be written (disk full, I/O error): no reply may go out for a
+        change that is not on disk, so the server stops, answering nothing more, and exits 1;
+        its supervisor restarts it and the clients reconnect and re-send (docs/stores.md)."""
+        log.error("cannot write the journal in %s (%s): stopping without answering this turn's requests; the "
+                  "state on disk is the last turn written", self.journal.directory, exc.strerror or exc)
+        self.failed = f"journal write failed: {exc.strerror or exc}"
+        self.intake.before_parting = None
+        for conn in list(self.intake.conns.values()):
+            conn.out = []  # (closing sends a connection's last replies: not these)
+        self.engine.answered.clear()
+        self._stopping = True
 
     def _batch_turn(self, conns: List[Connection]) -> None:
         """A turn the batch path took: it runs the frames it knows, in order; from the first
@@ -484,5 +503,6 @@ def serve(host: str, port: int, limits: Optional[Limits] = None, security: Optio
     signal.signal(signal.SIGINT, on_signal)
     started = time.monotonic()
     server.serve_forever()
-    log.info("store-server stopped after %.1f s", time.monotonic() - started)
-    return 0
+    log.info("store-server stopped after %.1f s%s", time.monotonic() - started,
+             f" ({server.failed})" if server.failed else "")
+    return 1 if server.failed else 0
