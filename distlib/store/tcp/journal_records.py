@@ -118,6 +118,7 @@ def scan(buf, start: int) -> Tuple[List[Tuple[int, int]], int, Optional[str]]:
     spans: List[Tuple[int, int]] = []
     pos, size = start, len(buf)
     unpack = FRAME.unpack_from
+    mv = memoryview(buf)
     while pos < size:
         if size - pos < FRAME.size:
             return spans, pos, "torn"
@@ -125,19 +126,24 @@ def scan(buf, start: int) -> Tuple[List[Tuple[int, int]], int, Optional[str]]:
         body = pos + FRAME.size
         if length > size - body or length > MAX_FRAME:
             return spans, pos, "torn"
-        if _crc32(memoryview(buf)[body:body + length]) != crc:
+        if _crc32(mv[body:body + length]) != crc:
             return spans, pos, "torn" if body + length == size else "corrupt"
         spans.append((body, body + length))
         pos = body + length
     return spans, pos, None
 
 
-def apply(image: Image, buf, start: int, end: int) -> None:
+def apply(image: Image, buf: bytes, start: int, end: int) -> None:
     """Apply the records of one payload ``buf[start:end]`` to ``image``. BadRecord when they
     do not parse."""
     data, queues, sessions = image.data, image.queues, image.sessions
     pos = start
-    mv = memoryview(buf)
+    if tag_of_single_set(buf, start, end):  # the usual frame (a SET, an ADD): one record
+        klen = _U32.unpack_from(buf, start + 1)[0]
+        key_at = start + 9
+        data[buf[key_at:key_at + klen]] = buf[key_at + klen:end]
+        image.records += 1
+        return
     try:
         while pos < end:
             tag = buf[pos]
@@ -145,9 +151,9 @@ def apply(image: Image, buf, start: int, end: int) -> None:
             if tag in _TWO_FIELDS:
                 klen, vlen = _KV.unpack_from(buf, pos)
                 pos += 8
-                key = bytes(mv[pos:pos + klen])
+                key = buf[pos:pos + klen]
                 pos += klen
-                value = bytes(mv[pos:pos + vlen])
+                value = buf[pos:pos + vlen]
                 pos += vlen
                 if tag == 0x53:  # S
                     data[key] = value
@@ -159,7 +165,7 @@ def apply(image: Image, buf, start: int, end: int) -> None:
             elif tag in _ONE_FIELD:
                 (klen,) = _U32.unpack_from(buf, pos)
                 pos += 4
-                key = bytes(mv[pos:pos + klen])
+                key = buf[pos:pos + klen]
                 pos += klen
                 if tag == 0x44:  # D
                     data.pop(key, None)
@@ -172,12 +178,12 @@ def apply(image: Image, buf, start: int, end: int) -> None:
             elif tag == 0x51:  # Q
                 session, seq, used, rlen = _SESSION.unpack_from(buf, pos)
                 pos += _SESSION.size
-                reply = bytes(mv[pos:pos + rlen])
+                reply = buf[pos:pos + rlen]
                 pos += rlen
                 sessions[session] = Session(seq, reply, used)
                 sessions.move_to_end(session)
             elif tag == 0x58:  # X
-                sessions.pop(bytes(mv[pos:pos + 16]), None)
+                sessions.pop(buf[pos:pos + 16], None)
                 pos += 16
             else:
                 raise BadRecord(f"unknown record tag 0x{tag:02x}")
@@ -186,6 +192,14 @@ def apply(image: Image, buf, start: int, end: int) -> None:
         raise BadRecord(f"a record runs past its frame ({exc})") from None
     if pos != end:
         raise BadRecord(f"a record runs {pos - end} bytes past its frame")
+
+
+def tag_of_single_set(buf: bytes, start: int, end: int) -> bool:
+    """Whether the payload ``buf[start:end]`` is exactly one ``S`` record."""
+    if buf[start] != 0x53 or end - start < 9:
+        return False
+    klen, vlen = _KV.unpack_from(buf, start + 1)
+    return 9 + klen + vlen == end - start
 
 
 _TWO_FIELDS = frozenset(b"SAP")
