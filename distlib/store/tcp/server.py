@@ -50,6 +50,11 @@ connection.py. Design, and why:
   itself. It yields the CPU when it is wanted elsewhere (one usable CPU, more runnable
   tasks than CPUs); an idle server spins once and sleeps, so the cost is at most one window
   of CPU per burst.
+* **A state directory** (``state_dir``, ``distlib store-server --state-dir``; journal.py):
+  the journal is replayed before the listening socket is bound (a client, or a TCP readiness
+  probe, gets in only once the state is back), and each turn's changes are written (and with
+  ``sync="turn"`` synced) with one write() after the turn ran and before its replies are
+  sent. Without it, no journal object exists and the state is the plain one.
 * **Ordered waits** (codec.py): a request queued behind a pending WAIT or BARRIER on the
   same connection runs when that wait completes; CANCEL_WAIT runs at once. torch clients
   never notice; distlib clients use it to get a value in one round trip.
