@@ -262,6 +262,12 @@ def test_a_crash_at_any_step_of_compaction_recovers(tmp_path, step):
         server.close()
 
 
+def test_the_sequence_header_is_a_set_of_the_reserved_key():
+    assert codec.sequence_header(SESSION, 7) == codec.set_(codec.SEQUENCE_KEY, SESSION + struct.pack("<Q", 7))
+    assert codec.decode(codec.sequence_header(SESSION, 7), 0, codec.SEQUENCE_HEADER_BYTES, codec.Limits())[1] == \
+        (codec.SEQUENCE_KEY, SESSION + struct.pack("<Q", 7))
+
+
 def sequenced(seq: int, request: bytes, session: bytes = SESSION) -> bytes:
     return codec.sequence_header(session, seq) + request
 
