@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import IO, Dict, List, Optional
+from typing import IO, Dict, List, Optional, Sequence
 
 from distlib.errors import DistError
 from distlib.subprocesses import stop
@@ -41,13 +41,14 @@ class StoreServerProcess:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, listen_host: Optional[str] = None,
                  log_level: str = "WARNING", log_path: Optional[str] = None,
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, args: Sequence[str] = ()):
         self.host = host
         self.port = port
         self.listen_host = listen_host or host
         self.log_level = log_level
         self.log_path = log_path
         self.env = env
+        self.args = list(args)  # more of the command's options (--state-dir DIR, --sync none)
         self.proc: Optional[subprocess.Popen] = None
         self._log: Optional[IO[str]] = None
 
@@ -57,7 +58,7 @@ class StoreServerProcess:
 
     def command(self, port: int) -> List[str]:
         return [sys.executable, "-m", "distlib.cli", "store-server", "--host", self.listen_host,
-                "--port", str(port), "--log-level", self.log_level]
+                "--port", str(port), "--log-level", self.log_level] + self.args
 
     def start(self, timeout: float = 15.0) -> "StoreServerProcess":
         """Start the server and return once it answers a PING; RuntimeError (naming the
@@ -124,6 +125,13 @@ class StoreServerProcess:
             self._log.close()
             self._log = None
         return status
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or the OOM killer ends it (nothing flushed, no lock released but by
+        the kernel); ``start()`` again brings it back on the same port."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def log_text(self) -> str:
         """What the server logged so far (with ``log_path``; "" without)."""

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distlib-transport", choices=("auto", "tcp"), default="auto",
                    help="auto: distlib clients reach a distlib server on this host over its UNIX socket "
                         "(what users get); tcp: force TCP, as torch's clients use (DISTLIB_STORE_UNIX=0)")
+    p.add_argument("--journal", choices=("off", "turn", "none"), default="off",
+                   help="distlib's server with a state directory (a fresh one per load) and this --sync, or "
+                        "without (off); docs/stores.md, 'State directory'")
     p.add_argument("--host", default="127.0.0.1", help="address the clients connect to")
     p.add_argument("--security-connects", type=int, help="security: clients constructed per measurement "
                                                           "(default 200; quick 50)")

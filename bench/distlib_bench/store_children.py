@@ -7,7 +7,9 @@ protocol themselves, the connect storm and the FileStore replay.
 from __future__ import annotations
 
 import select
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -76,12 +78,17 @@ class LoadServer:
     ``distlib store-server`` (listening on every interface), as a deployment runs it; torch's a
     TCPStore master in a forked child."""
 
-    def __init__(self, impl: str, use_libuv: bool):
+    def __init__(self, impl: str, use_libuv: bool, journal: str = "off"):
         self.impl = impl
+        self.state_dir: Optional[str] = None
         if impl == TORCH:
             self.child = Child(_torch_server_child, use_libuv, name="torch-store-server")
         else:
-            self.service = StoreServerProcess("127.0.0.1", listen_host="0.0.0.0")
+            args: List[str] = []
+            if journal != "off":  # a fresh state directory, the journal flushed as --journal says
+                self.state_dir = tempfile.mkdtemp(prefix="distlib-bench-state-")
+                args = ["--state-dir", self.state_dir, "--sync", journal]
+            self.service = StoreServerProcess("127.0.0.1", listen_host="0.0.0.0", args=args)
 
     def __enter__(self) -> int:
         if self.impl != TORCH:
@@ -100,6 +107,8 @@ class LoadServer:
             self.child.stop()
         else:
             self.service.stop()
+            if self.state_dir is not None:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 def single_client_child(conn, impl: str, host: str, port: int, use_libuv: bool, seconds: float) -> Dict[str, Any]:

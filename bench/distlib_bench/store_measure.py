@@ -50,6 +50,8 @@ class StoreBench(StoreReport):
         self.say = say
         self.host = args.host
         self.use_libuv = args.torch_backend == "libuv"
+        #: distlib's server with a state directory (--journal turn|none) or without (off)
+        self.journal = getattr(args, "journal", "off")
         self.rows: List[Row] = []
         self.storm_details: Dict[str, List[Dict[str, Any]]] = {}
         self.transports: Dict[str, str] = {}
@@ -74,7 +76,7 @@ class StoreBench(StoreReport):
         rows = {name: self._row("single client", label, "ops/s", True, targets.get(name)) for name, label in SINGLE_OPS}
         for rnd, impl in self._rounds():
             self.say(f"  single client, round {rnd + 1}, {impl} ...")
-            with LoadServer(impl, self.use_libuv) as port:
+            with LoadServer(impl, self.use_libuv, self.journal) as port:
                 result = run_child(single_client_child, impl, self.host, port, self.use_libuv, self.args.seconds,
                                    timeout=60 + 20 * self.args.seconds, name=f"{impl}-single-client")
             self.transports[impl] = result["transport"]
@@ -92,7 +94,7 @@ class StoreBench(StoreReport):
             pairs = max(1, self.args.pairs // n)
             for rnd, impl in self._rounds():
                 self.say(f"  {n} concurrent clients, round {rnd + 1}, {impl} ...")
-                with LoadServer(impl, self.use_libuv) as port:
+                with LoadServer(impl, self.use_libuv, self.journal) as port:
                     go = FORK.Event()
                     start_at = FORK.Value("d", 0.0, lock=False)
                     kids = []
@@ -139,7 +141,7 @@ class StoreBench(StoreReport):
         ranks: Dict[str, BarrierRanks] = {}
         try:
             for impl in self.impls:
-                servers[impl] = LoadServer(impl, self.use_libuv)
+                servers[impl] = LoadServer(impl, self.use_libuv, self.journal)
                 port = servers[impl].__enter__()
                 ranks[impl] = BarrierRanks(self.host, port, world, self.args.barrier_procs, impl)
             for impl in self.impls:
@@ -175,7 +177,7 @@ class StoreBench(StoreReport):
         row = self._row("connect storm", f"{n} clients connect at once: last one in", "s", False, target)
         for rnd, impl in self._rounds():
             self.say(f"  connect storm of {n} clients, round {rnd + 1}, {impl} ...")
-            with LoadServer(impl, self.use_libuv) as port:
+            with LoadServer(impl, self.use_libuv, self.journal) as port:
                 result = run_child(storm_child, impl, self.host, port, self.use_libuv, n, self.args.storm_timeout,
                                    timeout=self.args.storm_timeout + 120, name=f"{impl}-storm")
             durations = result["durations"]

@@ -119,7 +119,9 @@ class ElasticAgent:
         host, port = str(self.resolved.master_addr.value), int(self.resolved.master_port.value)
 
         def connect_tcp(seconds: float) -> Store:
-            store = TCPStore(host, port, None, False, seconds)  # connecting: up to ``seconds``
+            # connecting: up to ``seconds``; no reconnecting inside the client: the agent rides out
+            # the store's absence itself, one account for both its clients (outages.py)
+            store = TCPStore(host, port, None, False, seconds, reconnect_timeout=0)
             store.set_timeout(conf.heartbeat_timeout)  # each call: an agent's calls are small
             return store
 

@@ -491,3 +491,27 @@ def test_torch_ranks_rendezvous_through_distlib_store_server(tmp_path, world_siz
         log = stop_store_server(server)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     assert log.count("connected") >= world_size, log
+
+
+def test_a_torch_client_fails_when_its_distlib_master_restarts_and_a_distlib_client_goes_on(tmp_path):
+    """docs/stores.md: torch's TCPStore client has no reconnect, so against a distlib master
+    that restarts (with its state directory) it fails, as against torch's server; a distlib
+    client of the same master reconnects and finds the key it wrote."""
+    server = StoreServerProcess(port=free_port(), log_level="INFO", log_path=str(tmp_path / "master.log"),
+                                args=["--state-dir", str(tmp_path / "state")]).start(timeout=60)
+    try:
+        theirs = torch_client(server.port)
+        ours = distlib_client(server.port)
+        theirs.set("torch-key", "1")
+        ours.set("distlib-key", "2")
+        assert ours.get("torch-key") == b"1"
+        server.kill()
+        server.start(timeout=60)
+        with pytest.raises(Exception) as info:
+            theirs.get("torch-key")
+        assert not isinstance(info.value, AssertionError)
+        assert ours.get("distlib-key") == b"2", "the distlib client did not come back with the key it wrote"
+        assert ours.get("torch-key") == b"1", "the restarted master lost the torch client's key"
+        ours.close()
+    finally:
+        server.stop()

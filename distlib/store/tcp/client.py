@@ -45,17 +45,18 @@ import os
 import threading
 import weakref
 from datetime import timedelta
+from functools import partial
 from typing import List, Optional, Sequence
 
-from ...deadline import Deadline, TimeoutLike, format_duration
-from ...errors import DistStoreError, QueueEmptyError
+from ...deadline import Deadline, TimeoutLike, as_seconds, format_duration
+from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
 from ...tls import TlsSocket
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
 from . import codec
-from .client_channel import RequestChannel, WaitTimedOut, close_socket
+from .client_channel import ConnectionLost, RequestChannel, WaitTimedOut, close_socket
 from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WORKER_COUNTER_KEY
 from .connect import describe_socket, format_endpoint
-from .handshake import open_connection
+from .handshake import NotAStoreServer, StoreRefused, open_connection
 from .in_process import InProcessServer, serves_here, start_server
 from .security import StoreSecurity
 
@@ -69,6 +70,7 @@ _encode_wait_then_get = codec.wait_then_get
 _encode_add = codec.add
 _encode_check = codec.check
 _encode_wait = codec.wait
+_sequence_header = codec.sequence_header
 
 
 # -- the client --------------------------------------------------------------------------------
@@ -90,6 +92,7 @@ class TCPStore(RequestChannel, Store):
         use_libuv: bool = True,
         *,
         security: Optional[StoreSecurity] = None,
+        reconnect_timeout: Optional[TimeoutLike] = None,
     ):
         super().__init__(timeout)
         if not isinstance(host_name, str) or not host_name:
@@ -110,6 +113,12 @@ class TCPStore(RequestChannel, Store):
         self._lock = threading.Lock()
         self._local_ip: Optional[str] = None  # set while connected over the same-host socket
         self._ordered = False
+        # distlib's own: how long a client of a distlib server reconnects after its connection
+        # dropped (default: the store timeout; 0: fail at once, as torch's client)
+        self._reconnect_s: Optional[float] = (None if reconnect_timeout is None  # None: the store timeout, as set
+                                              else as_seconds(reconnect_timeout, "reconnect_timeout"))
+        self._session = os.urandom(16)  # numbers its writes that a retry must not apply twice
+        self._seq = 0
         self._server: Optional[InProcessServer] = None
         self._server_finalizer: Optional[weakref.finalize] = None
         deadline = Deadline(self._timeout_s)
@@ -126,8 +135,12 @@ class TCPStore(RequestChannel, Store):
 
         if world_size is not None and wait_for_workers:
             with self._lock:
-                self._send(codec.add(WORKER_COUNTER_KEY, 1))
-                joined = self._read_i64("ADD init/")
+                data = self._numbered(codec.add(WORKER_COUNTER_KEY, 1))
+                try:
+                    self._send(data)
+                    joined = self._read_i64("ADD init/")
+                except ConnectionLost as exc:
+                    joined = self._resume(exc, "ADD init/", data, partial(self._read_i64, "ADD init/"))
             if self._server is not None:
                 self._wait_for_workers(world_size, joined, deadline)
 
@@ -173,10 +186,10 @@ class TCPStore(RequestChannel, Store):
 
     # -- connection ------------------------------------------------------------------------------
 
-    def _connect(self, deadline: Deadline) -> None:
+    def _connect(self, deadline: Deadline, quiet: bool = False) -> None:
         """Connect and pass every step the server and this client's settings ask for (the
         same-host socket or TCP, TLS, the token, the TCPStore handshake: handshake.py)."""
-        opened = open_connection(self._host, self._port, deadline, self._security)
+        opened = open_connection(self._host, self._port, deadline, self._security, quiet)
         sock = opened.sock
         self._local_ip = opened.local_ip
         self._ordered = opened.ordered
@@ -184,6 +197,74 @@ class TCPStore(RequestChannel, Store):
         if opened.tls:
             sock = TlsSocket(sock, drain=False)  # poll(2) is level-triggered: no read to prove "drained"
         self._attach(sock)
+        # A client of a distlib server (not one on a thread of this process: that one cannot
+        # come back) reconnects when its connection drops, and numbers its writes.
+        if self._unacked is None and opened.ordered and self._reconnect_window() > 0 and not self._in_process:
+            self._unacked = []
+
+    # -- reconnecting ----------------------------------------------------------------------------
+
+    def _reconnect_window(self) -> float:
+        """How long to reconnect: ``reconnect_timeout``, else the store timeout (as set now)."""
+        return self._timeout_s if self._reconnect_s is None else self._reconnect_s
+
+    def _numbered(self, data: bytes) -> bytes:
+        """``data`` (a write a retry must not apply twice) behind its sequence header, for a
+        client that reconnects; else ``data`` as it is (a torch server, or reconnect off)."""
+        if self._unacked is None:
+            return data
+        self._seq += 1
+        return _sequence_header(self._session, self._seq) + data
+
+    def _resume(self, lost: DistNetworkError, what: str, data: bytes = b"", read=None):
+        """The connection dropped under ``what``: reconnect (same address, the name resolved
+        again, TLS and the token again) within ``reconnect_timeout``, send again the requests
+        without reply the server may not have run and ``data`` (a numbered write keeps its
+        number: the server answers it without applying it twice), and return ``read()``.
+        Logs one line when it starts and one when it is back. Raises ``lost`` itself for a
+        client that does not reconnect (a torch server, ``reconnect_timeout=0``)."""
+        if self._unacked is None:
+            raise lost
+        where = format_endpoint(self._host, self._port)
+        window = self._reconnect_window()
+        deadline = Deadline(window)
+        log.warning("lost the connection to the store %s during %s (%s); reconnecting for at most %s",
+                    where, what, lost, format_duration(window))
+        closed = 0
+        while True:
+            self._finalizer()
+            try:
+                self._connect(deadline, quiet=True)
+            except DistNetworkError as exc:
+                if isinstance(exc, (NotAStoreServer, StoreRefused)):
+                    raise
+                raise DistNetworkError(f"lost the connection to the store {where} during {what} and could not "
+                                       f"reconnect within {format_duration(window)} (reconnect_timeout): {exc}") from lost
+            finally:
+                self._finalizer = weakref.finalize(self, close_socket, self._sock)
+            if not self._ordered:
+                raise DistNetworkError(f"lost the connection to the store {where} during {what}; it came back as a "
+                                       f"server that cannot tell a re-sent write from a new one (a torch server): "
+                                       f"not re-sending it") from lost
+            try:
+                resend = b"".join(self._unacked) + data
+                if resend:
+                    self._send(resend)
+                result = read() if read is not None else None
+            except ConnectionLost as again:
+                closed += 1
+                if closed >= 2:  # not a restart: the server refuses this request
+                    raise DistNetworkError(f"{where} closed the connection each time {what} was re-sent after "
+                                           f"reconnecting ({closed} times): the server refuses the request (its "
+                                           f"log says why)") from again
+                if deadline.expired():
+                    raise DistNetworkError(f"lost the connection to the store {where} during {what} and could not "
+                                           f"get it answered within {format_duration(window)} (reconnect_timeout): "
+                                           f"{again}") from lost
+                continue
+            log.warning("reconnected to the store %s after %s; %s resumed", where,
+                        format_duration(deadline.elapsed()), what)
+            return result
 
     def _wait_for_workers(self, world_size: int, joined: int, deadline: Deadline) -> None:
         assert self._server is not None, "called where this handle hosts the server"
@@ -202,6 +283,7 @@ class TCPStore(RequestChannel, Store):
     def close(self) -> None:
         """Close this client's connection (and stop the server if this object owns it last)."""
         with self._lock:
+            self._unacked = None  # closed on purpose: nothing to reconnect
             self._broken = self._broken or f"this TCPStore ({self.describe()}) was closed"
             self._finalizer()
             if self._server_finalizer is not None:
@@ -251,7 +333,10 @@ class TCPStore(RequestChannel, Store):
             self._wire(key), self._value(value)  # raise with the usual text
         data = _encode_set(wire, value)
         with self._lock:
-            self._send_unanswered(data, "SET")
+            try:
+                self._send_unanswered(data, "SET")
+            except ConnectionLost as exc:
+                self._resume(exc, "SET")
 
     def get(self, key: str) -> bytes:
         wire = self._wire(key)
@@ -259,26 +344,35 @@ class TCPStore(RequestChannel, Store):
         with self._lock:
             if not self._ordered:
                 return self._get_from_torch_server(wire, seconds)
-            self._send(_encode_wait_then_get(wire))
-            buf = self._rbuf
-            if not buf:
-                try:
-                    self._recv("GET", seconds)
-                except WaitTimedOut:
-                    done, value = self._cancel_timed_out_wait("GET", lambda: self._read_blob("GET"))
-                    if not done:
-                        raise self._timeout_error([wire], seconds) from None
-                    return value
-            if buf[0] != STOP_WAITING:
-                raise self._fail(f"Stop_waiting response is expected (got {buf[0]})")
-            if len(buf) >= 9:
-                end = 9 + _u64(buf, 1)[0]
-                if len(buf) >= end:  # the usual case: the whole reply came in one read
-                    value = bytes(buf[9:end])
-                    del buf[:end]
-                    return value
-            del buf[:1]
-            return self._read_blob("GET")
+            data = _encode_wait_then_get(wire)
+            try:
+                self._send(data)
+                return self._read_get(wire, seconds, seconds)
+            except ConnectionLost as exc:
+                deadline = Deadline(seconds)  # (the wait starts again: the key may be set meanwhile)
+                return self._resume(exc, "GET", data, lambda: self._read_get(wire, deadline.remaining(), seconds))
+
+    def _read_get(self, wire: bytes, left: float, seconds: float) -> bytes:
+        """The reply to WAIT + GET of ``wire``: STOP_WAITING and the value, within ``left``."""
+        buf = self._rbuf
+        if not buf:
+            try:
+                self._recv("GET", left)
+            except WaitTimedOut:
+                done, value = self._cancel_timed_out_wait("GET", lambda: self._read_blob("GET"))
+                if not done:
+                    raise self._timeout_error([wire], seconds) from None
+                return value
+        if buf[0] != STOP_WAITING:
+            raise self._fail(f"Stop_waiting response is expected (got {buf[0]})")
+        if len(buf) >= 9:
+            end = 9 + _u64(buf, 1)[0]
+            if len(buf) >= end:  # the usual case: the whole reply came in one read
+                value = bytes(buf[9:end])
+                del buf[:end]
+                return value
+        del buf[:1]
+        return self._read_blob("GET")
 
     def _get_from_torch_server(self, wire: bytes, seconds: float) -> bytes:
         """torch's sequence: WAIT, then GET. A libuv server may wake a WAIT although the key
@@ -301,8 +395,13 @@ class TCPStore(RequestChannel, Store):
         wire = self._wire(key)
         data = _encode_add(wire, int(amount))
         with self._lock:
-            self._send(data)
-            return self._read_i64("ADD")
+            if self._unacked is not None:
+                data = self._numbered(data)
+            try:
+                self._send(data)
+                return self._read_i64("ADD")
+            except ConnectionLost as exc:
+                return self._resume(exc, "ADD", data, partial(self._read_i64, "ADD"))
 
     def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
         wire = self._wire(key)
@@ -310,35 +409,54 @@ class TCPStore(RequestChannel, Store):
         desired = self._value(desired_value, "desired_value")
         data = codec.compare_set(wire, expected, desired)
         with self._lock:
-            self._send(data)
-            return self._read_blob("COMPARE_SET")
+            data = self._numbered(data)
+            try:
+                self._send(data)
+                return self._read_blob("COMPARE_SET")
+            except ConnectionLost as exc:
+                return self._resume(exc, "COMPARE_SET", data, partial(self._read_blob, "COMPARE_SET"))
 
     def check(self, keys: List[str]) -> bool:
         data = _encode_check(self._wires(keys))
         with self._lock:
-            self._send(data)
-            return self._read_u8("CHECK") == READY
+            try:
+                self._send(data)
+                return self._read_u8("CHECK") == READY
+            except ConnectionLost as exc:
+                return self._resume(exc, "CHECK", data, partial(self._read_u8, "CHECK")) == READY
 
     def wait(self, keys: List[str], timeout: Optional[TimeoutLike] = None) -> None:
         wires = self._wires(keys)
         seconds = self._wait_seconds(timeout) if timeout is not None else self._timeout_s
         data = _encode_wait(wires)
         with self._lock:
-            self._send(data)
-            done, _ = self._await_wait(seconds, "WAIT")
+            try:
+                self._send(data)
+                done, _ = self._await_wait(seconds, "WAIT")
+            except ConnectionLost as exc:
+                deadline = Deadline(seconds)
+                done, _ = self._resume(exc, "WAIT", data, lambda: self._await_wait(deadline.remaining(), "WAIT"))
         if not done:
             raise self._timeout_error(wires, seconds)
 
     def delete_key(self, key: str) -> bool:
         data = codec.delete_key(self._wire(key))
         with self._lock:
-            self._send(data)
-            return self._read_i64("DELETE_KEY") == 1
+            data = self._numbered(data)
+            try:
+                self._send(data)
+                return self._read_i64("DELETE_KEY") == 1
+            except ConnectionLost as exc:
+                return self._resume(exc, "DELETE_KEY", data, partial(self._read_i64, "DELETE_KEY")) == 1
 
     def num_keys(self) -> int:
+        data = codec.getnumkeys()
         with self._lock:
-            self._send(codec.getnumkeys())
-            return self._read_i64("GETNUMKEYS")
+            try:
+                self._send(data)
+                return self._read_i64("GETNUMKEYS")
+            except ConnectionLost as exc:
+                return self._resume(exc, "GETNUMKEYS", data, partial(self._read_i64, "GETNUMKEYS"))
 
     def has_extended_api(self) -> bool:
         return True
@@ -346,7 +464,10 @@ class TCPStore(RequestChannel, Store):
     def append(self, key: str, value: ValueLike) -> None:
         data = codec.append(self._wire(key), self._value(value))
         with self._lock:
-            self._send_unanswered(data, "APPEND")
+            try:
+                self._send_unanswered(self._numbered(data), "APPEND")
+            except ConnectionLost as exc:
+                self._resume(exc, "APPEND")
 
     def multi_get(self, keys: List[str]) -> List[bytes]:
         wires = self._wires(keys)
@@ -357,8 +478,14 @@ class TCPStore(RequestChannel, Store):
 
         with self._lock:
             if self._ordered:
-                self._send(codec.wait(wires) + codec.multi_get(wires))
-                done, values = self._await_wait(seconds, "MULTI_GET", read_values)
+                data = codec.wait(wires) + codec.multi_get(wires)
+                try:
+                    self._send(data)
+                    done, values = self._await_wait(seconds, "MULTI_GET", read_values)
+                except ConnectionLost as exc:
+                    deadline = Deadline(seconds)
+                    done, values = self._resume(exc, "MULTI_GET", data, lambda: self._await_wait(
+                        deadline.remaining(), "MULTI_GET", read_values))
                 if not done:
                     raise self._timeout_error(wires, seconds)
                 return values
@@ -377,7 +504,10 @@ class TCPStore(RequestChannel, Store):
                 f"multiSet keys and values vectors must be of same size ({len(wires)} keys, {len(values)} values)")
         data = codec.multi_set(wires, [self._value(v) for v in values])
         with self._lock:
-            self._send_unanswered(data, "MULTI_SET")
+            try:
+                self._send_unanswered(self._numbered(data), "MULTI_SET")
+            except ConnectionLost as exc:
+                self._resume(exc, "MULTI_SET")
 
     def _require_queues(self) -> None:
         if not self._use_libuv:
@@ -387,36 +517,61 @@ class TCPStore(RequestChannel, Store):
         self._require_queues()
         data = codec.queue_push(self._wire(key), self._value(value))
         with self._lock:
-            self._send_unanswered(data, "QUEUE_PUSH")
+            try:
+                self._send_unanswered(self._numbered(data), "QUEUE_PUSH")
+            except ConnectionLost as exc:
+                self._resume(exc, "QUEUE_PUSH")
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         self._require_queues()
         wire = self._wire(key)
         with self._lock:
             if block:
-                self._send(codec.wait((wire,)))
-                done, _ = self._await_wait(self._timeout_s, "WAIT")
+                data = codec.wait((wire,))
+                try:
+                    self._send(data)
+                    done, _ = self._await_wait(self._timeout_s, "WAIT")
+                except ConnectionLost as exc:
+                    deadline = Deadline(self._timeout_s)
+                    done, _ = self._resume(exc, "WAIT", data, lambda: self._await_wait(deadline.remaining(), "WAIT"))
                 if not done:
                     raise self._timeout_error([wire], self._timeout_s)
-            self._send(codec.queue_pop(wire))
-            length = self._read_i64("QUEUE_POP")
-            if length <= 0:
-                raise QueueEmptyError("queue is empty")
-            return self._read_blob("QUEUE_POP")
+            data = self._numbered(codec.queue_pop(wire))
+            try:
+                self._send(data)
+                return self._read_popped()
+            except ConnectionLost as exc:
+                return self._resume(exc, "QUEUE_POP", data, self._read_popped)
+
+    def _read_popped(self) -> bytes:
+        length = self._read_i64("QUEUE_POP")
+        if length <= 0:
+            raise QueueEmptyError("queue is empty")
+        return self._read_blob("QUEUE_POP")
 
     def queue_len(self, key: str) -> int:
         self._require_queues()
         data = codec.queue_len(self._wire(key))
         with self._lock:
-            self._send(data)
-            return self._read_i64("QUEUE_LEN")
+            try:
+                self._send(data)
+                return self._read_i64("QUEUE_LEN")
+            except ConnectionLost as exc:
+                return self._resume(exc, "QUEUE_LEN", data, partial(self._read_i64, "QUEUE_LEN"))
 
     def list_keys(self) -> List[str]:
         """User keys (those a torch client wrote with its leading slash), slash removed."""
-        with self._lock:
-            self._send(codec.list_keys())
+        def read_keys() -> List[bytes]:
             count = self._read_i64("LIST_KEYS")
-            raw = [self._read_blob("LIST_KEYS") for _ in range(count)]
+            return [self._read_blob("LIST_KEYS") for _ in range(count)]
+
+        data = codec.list_keys()
+        with self._lock:
+            try:
+                self._send(data)
+                raw = read_keys()
+            except ConnectionLost as exc:
+                raw = self._resume(exc, "LIST_KEYS", data, read_keys)
         return [k[1:].decode("utf-8", "replace") for k in raw if k.startswith(b"/")]
 
     def barrier(self, key: str, world_size: int, timeout: Optional[TimeoutLike] = None) -> None:
@@ -424,8 +579,13 @@ class TCPStore(RequestChannel, Store):
         seconds = self._wait_seconds(timeout)
         data = codec.barrier(self._wire(key), int(world_size))
         with self._lock:
-            self._send(data)
-            done, _ = self._await_wait(seconds, "BARRIER")
+            data = self._numbered(data)  # (re-sent, it is not counted twice)
+            try:
+                self._send(data)
+                done, _ = self._await_wait(seconds, "BARRIER")
+            except ConnectionLost as exc:
+                deadline = Deadline(seconds)
+                done, _ = self._resume(exc, "BARRIER", data, lambda: self._await_wait(deadline.remaining(), "BARRIER"))
         if not done:
             raise DistStoreError(
                 f"barrier timeout after {int(seconds * 1000)}ms, key: {key} "
@@ -435,9 +595,13 @@ class TCPStore(RequestChannel, Store):
         """Round trip of a PING, in seconds (a health check)."""
         nonce = os.getpid() & 0xFFFFFFFF
         deadline = Deadline(self._timeout_s)
+        data = codec.ping(nonce)
         with self._lock:
-            self._send(codec.ping(nonce))
-            echoed = U32.unpack(self._read(4, "PING"))[0]
+            try:
+                self._send(data)
+                echoed = U32.unpack(self._read(4, "PING"))[0]
+            except ConnectionLost as exc:
+                echoed = U32.unpack(self._resume(exc, "PING", data, partial(self._read, 4, "PING")))[0]
         if echoed != nonce:
             raise self._fail(f"Ping failed, invalid value returned from server. Expected: {nonce}, Got: {echoed}")
         return deadline.elapsed()
@@ -445,4 +609,4 @@ class TCPStore(RequestChannel, Store):
     def clone(self) -> "TCPStore":
         """A new connection to the same server (no worker counting), as torch's clone()."""
         return TCPStore(self._host, self._port, None, False, timedelta(seconds=self._timeout_s),
-                        use_libuv=self._use_libuv, security=self._security)
+                        use_libuv=self._use_libuv, security=self._security, reconnect_timeout=self._reconnect_s)

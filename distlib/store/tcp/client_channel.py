@@ -29,7 +29,7 @@ import select
 import socket
 import time
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from ...busy_poll import BusyPoll
 from ...deadline import format_duration
@@ -65,6 +65,17 @@ class WaitTimedOut(Exception):
     """The reply to a WAIT did not come within the wait's timeout."""
 
 
+class ConnectionLost(DistNetworkError):
+    """The connection ended under a request (closed by the server, reset, a send or receive
+    that failed): a client that reconnects (client.py) catches this one; a server that stops
+    answering within the deadline is not this."""
+
+
+#: Requests without reply a reconnecting client keeps for re-sending; past this many since the
+#: last reply, it confirms them with a PING round trip and forgets them.
+MAX_UNACKED = 256
+
+
 def close_socket(sock: socket.socket) -> None:
     try:
         sock.close()
@@ -98,6 +109,10 @@ class RequestChannel:
         # spins for a reply: the spinning thread would keep the interpreter its server needs.
         self._in_process = in_process
         self._busy_poll = BusyPoll(0.0 if in_process else SPIN_S, backoff=True)
+        #: A client that reconnects keeps the requests without reply sent since the last reply
+        #: came (the server may have died before running them) to send them again; None: it
+        #: does not reconnect.
+        self._unacked: Optional[List[bytes]] = None
 
     def _attach(self, sock) -> None:
         """Use ``sock`` (connected, non-blocking for good: replies are polled for, spin then
@@ -114,9 +129,13 @@ class RequestChannel:
         self._broken = text
         return DistNetworkError(text)
 
+    def _lost(self, text: str) -> ConnectionLost:
+        self._broken = text
+        return ConnectionLost(text)
+
     def _send(self, data: bytes) -> None:
-        if self._broken is not None:
-            raise DistNetworkError(self._broken)
+        if self._broken is not None:  # (a client that reconnects tries again: client.py)
+            raise (DistNetworkError if self._unacked is None else ConnectionLost)(self._broken)
         if self._unconfirmed is not None:
             self._read_confirmation()
         try:
@@ -124,14 +143,23 @@ class RequestChannel:
         except BlockingIOError:
             sent = 0
         except OSError as exc:
-            raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
+            raise self._lost(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
         if sent < len(data):
             self._send_rest(memoryview(data)[sent:])
 
     def _send_unanswered(self, data: bytes, what: str) -> None:
         """Send a request the server does not answer (``what``: SET, APPEND, MULTI_SET,
         QUEUE_PUSH); an in-process client sends a PING after it, whose echo ``_send`` reads
-        before the next request (the module docstring, "in-process clients")."""
+        before the next request (the module docstring, "in-process clients"). A reconnecting
+        client keeps it until a reply shows that the server ran it (``_unacked``)."""
+        unacked = self._unacked
+        if unacked is not None:
+            unacked.append(data)
+            self._send(data)
+            if len(unacked) >= MAX_UNACKED:  # a long stream of sets: confirm them, keep memory bounded
+                self._send(codec.ping(CONFIRM_NONCE))
+                self._read(4, f"PING after {len(unacked)} requests without reply")
+            return
         if not self._in_process:
             self._send(data)
             return
@@ -172,7 +200,7 @@ class RequestChannel:
             except BlockingIOError:
                 continue
             except OSError as exc:
-                raise self._fail(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
+                raise self._lost(f"Failed to send to {self.describe()}: {exc.strerror or exc}") from exc
             data = data[sent:]
 
     def _recv(self, what: str, timeout: Optional[float]) -> None:
@@ -193,12 +221,14 @@ class RequestChannel:
             try:
                 chunk = self._busy_poll.spin(self._recv_probe, timeout is None)
             except OSError as exc:
-                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
+                raise self._lost(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
         if chunk is None:
             chunk = self._recv_blocking(what, timeout)
         if not chunk:
-            raise self._fail(f"{_CLOSED_TEXT} ({self.describe()}, during {what})")
+            raise self._lost(f"{_CLOSED_TEXT} ({self.describe()}, during {what})")
         self._rbuf += chunk
+        if self._unacked:  # a reply: the server ran every request sent before it
+            self._unacked.clear()
 
     def _recv_blocking(self, what: str, timeout: Optional[float]) -> bytes:
         """Block in poll(2) until the socket has data or the deadline passes; read it."""
@@ -217,7 +247,7 @@ class RequestChannel:
             except BlockingIOError:
                 pass
             except OSError as exc:
-                raise self._fail(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
+                raise self._lost(f"Failed to recv from {self.describe()} during {what}: {exc.strerror or exc}") from exc
             left = deadline - time.monotonic()
             if left > 0:
                 continue

@@ -98,10 +98,12 @@ def resolve_within(host: str, port: int, seconds: float) -> List[Tuple]:
     return outcome[0]
 
 
-def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore server") -> socket.socket:
+def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore server",
+            quiet: bool = False) -> socket.socket:
     """Connect to ``host:port``, retrying until ``deadline``; raise DistNetworkError after.
 
-    Returns a blocking, tuned socket (TCP_NODELAY, SO_KEEPALIVE).
+    Returns a blocking, tuned socket (TCP_NODELAY, SO_KEEPALIVE). ``quiet``: log nothing
+    while retrying (a reconnecting client says it once itself).
     """
     attempts = 0
     delay = FIRST_RETRY_DELAY
@@ -131,13 +133,15 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "TCPStore serv
                 continue
             sock.settimeout(None)
             tune(sock)
-            if attempts > 1:
+            if attempts > 1 and not quiet:
                 log.info("connected to %s %s after %d attempts (%s)", what,
                          format_endpoint(host, port), attempts, format_duration(deadline.elapsed()))
             return sock
         if deadline.expired():
             break
-        if deadline.elapsed() >= warn_at:
+        if quiet:
+            pass
+        elif deadline.elapsed() >= warn_at:
             log.warning("cannot reach %s %s after %s: %s; retrying until the deadline (%s left)", what,
                         format_endpoint(host, port), format_duration(deadline.elapsed()), last_failure,
                         format_duration(deadline.remaining()))

@@ -35,11 +35,14 @@ from .codec import (
     NOT_READY,
     ORDERED_WAIT_PROBE_KEY,
     READY,
+    SEQUENCE_KEY,
+    SEQUENCED_OPS,
     STOP_WAITING,
     U64,
     WAIT_CANCELED,
     WORKER_COUNTER_KEY,
     Limits,
+    decode,
     Op,
     ProtocolError,
     read_key,
@@ -60,6 +63,8 @@ _EMPTY_BLOB = U64.pack(0)
 _ZERO_I64 = I64.pack(0)
 _pack_u64 = U64.pack
 _pack_i64 = I64.pack
+_BARRIER = int(Op.BARRIER)
+_UNANSWERED = frozenset({Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH})
 
 #: Values up to this size are copied behind their length in one reply part; larger ones are
 #: sent from the stored object (see the module docstring).
@@ -104,6 +109,7 @@ class Handlers:
             (Op.BARRIER, self._op_barrier),
         ):
             ops[op] = fn
+        self._ops = ops
         return ops
 
     def cancel_wait(self, conn) -> None:
@@ -123,7 +129,54 @@ class Handlers:
     def _op_set(self, conn, buf, pos: int, end: int) -> int:
         key, value, r = read_key_value(buf, pos + 1, end, self.limits)
         if r >= 0:
+            if key == SEQUENCE_KEY:
+                return self._sequenced(conn, buf, r, end, value)
             self.state.set(key, value)
+        return r
+
+    def _sequenced(self, conn, buf, pos: int, end: int, header: bytes) -> int:
+        """A sequence header and the write after it (sessions.py): run the write unless its
+        session applied it already; then answer the reply it got then."""
+        if pos >= end:
+            return -(pos + 1)
+        op, _fields, r = decode(buf, pos, end, self.limits)
+        if r < 0:
+            return r
+        if op not in SEQUENCED_OPS:
+            raise ProtocolError(f"a sequence header before opcode 0x{op:02x}, which is not a sequenced write")
+        if len(header) != 24:
+            raise ProtocolError(f"a sequence header of {len(header)} bytes (24 expected)")
+        session = header[:16]
+        (seq,) = U64.unpack_from(header, 16)
+        state = self.state
+        entry = state.sessions.get(session)
+        if entry is not None and seq <= entry.seq:
+            if seq < entry.seq:
+                # a write without reply the client re-sends with those after it (it could not know
+                # that the server ran them): applied before, nothing to answer
+                if op in _UNANSWERED:
+                    return r
+                raise ProtocolError(f"write {seq} of session {session.hex()} re-sent after its write {entry.seq}")
+            if op == _BARRIER:  # counted already: wait for the rest without counting again
+                key, world_size, _ = read_key_i64(buf, pos + 1, r, self.limits)
+                if state.rejoin_barrier(conn, key, world_size):
+                    conn.out.append(_STOP)
+                return r
+            if entry.reply:
+                conn.out.append(entry.reply)  # applied before: the same answer, not again
+            return r
+        out = conn.out
+        mark = len(out)
+        state.begin_group()
+        try:
+            self._ops[op](conn, buf, pos, r)
+        except BaseException:
+            state.end_group(None)
+            raise
+        reply = out[-1] if len(out) == mark + 1 else b"".join(out[mark:])
+        more = state.sessions.record(session, seq, reply)
+        if more is not None:
+            state.end_group(more)
         return r
 
     def _op_get(self, conn, buf, pos: int, end: int) -> int:

@@ -87,8 +87,10 @@ class Opened:
         self.sock, self.ordered, self.local_ip, self.tls = sock, ordered, local_ip, tls_on
 
 
-def open_connection(host: str, port: int, deadline: Deadline, security: StoreSecurity) -> Opened:
-    """Connect and pass every step, retrying what may succeed later until ``deadline``."""
+def open_connection(host: str, port: int, deadline: Deadline, security: StoreSecurity,
+                    quiet: bool = False) -> Opened:
+    """Connect and pass every step, retrying what may succeed later until ``deadline``
+    (``quiet``: without logging the retries)."""
     where = format_endpoint(host, port)
     patient = False  # after a challenge that came late: wait for it without asking
     attempts = 0
@@ -99,7 +101,7 @@ def open_connection(host: str, port: int, deadline: Deadline, security: StoreSec
         sock = _connect_local(port, deadline) if local_ip is not None else None
         if sock is None:
             local_ip = None
-            sock = connect(host, port, deadline)  # (its own error at the deadline)
+            sock = connect(host, port, deadline, quiet=quiet)  # (its own error at the deadline)
         try:
             if local_ip is None and security.client_tls is not None:
                 sock = _tls_handshake(sock, host, where, deadline, security)

@@ -19,6 +19,7 @@ from .codec import Limits, Op
 #: case (set, get, add, wait, compare_set, check, multi_get, ...), ``keys`` the keys it names.
 Observer = Callable[[str, str, Tuple[bytes, ...]], None]
 
+_SET = int(Op.SET)
 _NAMES = {int(op): op.name.lower() for op in Op}
 
 
@@ -41,7 +42,9 @@ def observed_table(table: List[Callable], observer: Observer, limits: Limits) ->
         def observed(conn: Any, buf: Any, pos: int, end: int) -> int:
             r = run(conn, buf, pos, end)
             if r > 0:
-                op, fields, _ = codec.decode(buf, pos, r, limits)
+                op, fields, after = codec.decode(buf, pos, r, limits)
+                if op == _SET and fields[0] == codec.SEQUENCE_KEY:  # heard as the write it numbers
+                    op, fields, _ = codec.decode(buf, after, r, limits)
                 observer(str(conn.peer), _NAMES.get(op, hex(op)), keys_of(fields, codec.REQUESTS[op]))
             return r
         return observed

@@ -50,6 +50,11 @@ connection.py. Design, and why:
   itself. It yields the CPU when it is wanted elsewhere (one usable CPU, more runnable
   tasks than CPUs); an idle server spins once and sleeps, so the cost is at most one window
   of CPU per burst.
+* **A state directory** (``state_dir``, ``distlib store-server --state-dir``; journal.py):
+  the journal is replayed before the listening socket is bound (a client, or a TCP readiness
+  probe, gets in only once the state is back), and each turn's changes are written (and with
+  ``sync="turn"`` synced) with one write() after the turn ran and before its replies are
+  sent. Without it, no journal object exists and the state is the plain one.
 * **Ordered waits** (codec.py): a request queued behind a pending WAIT or BARRIER on the
   same connection runs when that wait completes; CANCEL_WAIT runs at once. torch clients
   never notice; distlib clients use it to get a value in one round trip.
@@ -82,6 +87,7 @@ from .connection import EPOLLIN, EPOLLIN_ERRS, EPOLLOUT, EPOLLRDHUP, Connection
 from .engine import RequestEngine
 from .handlers import CloseConnection
 from .intake import Intake
+from .journal import COMPACT_BYTES, DEFAULT_SYNC, Journal, describe_sync
 from .observe import Observer
 from .security import StoreSecurity
 from .sending import ReplySender
@@ -123,8 +129,22 @@ class StoreServer:
         memory_budget: int = MEMORY_BUDGET,
         client_limits: Optional[ClientLimits] = None,
         observer: Optional[Observer] = None,
+        state_dir: Optional[str] = None,
+        sync: str = DEFAULT_SYNC,
+        compact_bytes: int = COMPACT_BYTES,
     ):
         self.limits = limits or Limits()
+        #: The state directory's journal (journal.py), replayed before the port is opened, so
+        #: that a client (or a TCP readiness probe) gets in only once the state is back.
+        self.journal: Optional[Journal] = None
+        image = None
+        if state_dir is not None:
+            self.journal = Journal(state_dir, sync, compact_bytes)
+            try:
+                image = self.journal.recover()
+            except BaseException:
+                self.journal.close()
+                raise
         self.client_limits = client_limits or ClientLimits()
         self.security = security if security is not None else StoreSecurity.from_env()
         self.admission = Admission(self.security.token, self.security.server_tls)
@@ -145,6 +165,8 @@ class StoreServer:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stopping = False
+        #: Why the server stopped by itself (the journal could not be written), else None.
+        self.failed: Optional[str] = None
         self._released = False  # the descriptors are closed (serve_forever's end, or close())
         self._thread: Optional[threading.Thread] = None
         self._stopped = threading.Event()
@@ -153,7 +175,8 @@ class StoreServer:
         self.worker_peers: List[str] = []
         self.counter_changed = threading.Condition()
         #: The requests: framing, ordered waits, the handlers, the state and the memory budget.
-        self.engine = RequestEngine(self.limits, self.client_limits, memory_budget, self._worker_joined, observer)
+        self.engine = RequestEngine(self.limits, self.client_limits, memory_budget, self._worker_joined, observer,
+                                    self.journal, image)
         batch_path = batch_path and observer is None  # an observer hears every request (observe.py)
         self.state = self.engine.state
         self.budget = self.engine.budget
@@ -161,6 +184,8 @@ class StoreServer:
         #: Who comes in, and closing.
         self.intake = Intake(self.ep, self.listener, self.local_listener, self.admission, self.client_limits,
                              self.state, self.budget, self.engine.answered, self._admitted, log_connections)
+        if self.journal is not None:
+            self.intake.before_parting = self.journal.commit  # a closed connection's last replies too
         #: The batch path for plain ADD and WAIT turns (batch.py); ``batch_path=False`` leaves
         #: every request to the general path (the tests compare the two).
         self.batch: Optional[batch.BatchPath] = batch.BatchPath(self.state, self.limits) if batch_path else None
@@ -199,6 +224,8 @@ class StoreServer:
 
     def _release(self) -> None:
         self._released = True
+        if self.journal is not None:
+            self.journal.close()
         if self.batch is not None:
             self.batch.close()
         self.ep.close()
@@ -283,8 +310,29 @@ class StoreServer:
         budget = self.budget
         if budget.buffered + budget.state.wait_bytes > budget.limit:  # waits grew (budget.over, inline: per turn)
             self._evict()
+        journal = self.journal
+        if journal is not None and journal.pending:  # the turn's changes are on disk before its replies go
+            try:
+                journal.commit()
+            except OSError as exc:
+                self._journal_failed(exc)
+                return
         if engine.answered:
             self.sender.flush(engine.answered)
+
+    def _journal_failed(self, exc: OSError) -> None:
+        """The journal could not be written (disk full, I/O error): no reply may go out for a
+        change that is not on disk, so the server stops, answering nothing more, and exits 1;
+        its supervisor restarts it and the clients reconnect and re-send (docs/stores.md)."""
+        assert self.journal is not None, "only a server with a journal writes one"
+        log.error("cannot write the journal in %s (%s): stopping without answering this turn's requests; the "
+                  "state on disk is the last turn written", self.journal.directory, exc.strerror or exc)
+        self.failed = f"journal write failed: {exc.strerror or exc}"
+        self.intake.before_parting = None
+        for conn in list(self.intake.conns.values()):
+            conn.out = []  # (closing sends a connection's last replies: not these)
+        self.engine.answered.clear()
+        self._stopping = True
 
     def _batch_turn(self, conns: List[Connection]) -> None:
         """A turn the batch path took: it runs the frames it knows, in order; from the first
@@ -434,12 +482,17 @@ class StoreServer:
 
 
 def serve(host: str, port: int, limits: Optional[Limits] = None, security: Optional[StoreSecurity] = None,
-          memory_budget: int = MEMORY_BUDGET, client_limits: Optional[ClientLimits] = None) -> int:
+          memory_budget: int = MEMORY_BUDGET, client_limits: Optional[ClientLimits] = None,
+          state_dir: Optional[str] = None, sync: str = DEFAULT_SYNC, compact_bytes: int = COMPACT_BYTES) -> int:
     """Run the TCP master service in this thread until SIGTERM/SIGINT; return an exit code."""
     import signal
 
     server = StoreServer(host, port, limits=limits, log_connections=True, security=security,
-                         memory_budget=memory_budget, client_limits=client_limits)
+                         memory_budget=memory_budget, client_limits=client_limits, state_dir=state_dir,
+                         sync=sync, compact_bytes=compact_bytes)
+    if server.journal is not None:
+        log.info("state directory %s: %s; compacted past %d MiB", server.journal.directory,
+                 describe_sync(server.journal.sync), compact_bytes >> 20)
     where = server.listener.getsockname()[0]
     caps = server.client_limits
     log.info("distlib store-server listening on %s (port %d%s); %s; key limit %d bytes, value limit %d bytes, "
@@ -457,5 +510,6 @@ def serve(host: str, port: int, limits: Optional[Limits] = None, security: Optio
     signal.signal(signal.SIGINT, on_signal)
     started = time.monotonic()
     server.serve_forever()
-    log.info("store-server stopped after %.1f s", time.monotonic() - started)
-    return 0
+    log.info("store-server stopped after %.1f s%s", time.monotonic() - started,
+             f" ({server.failed})" if server.failed else "")
+    return 1 if server.failed else 0

@@ -1,0 +1,146 @@
+"""A master service killed with SIGKILL and started again on the same port and state directory,
+in the middle of a job's traffic: 16 clients streaming ADDs, 4 ranks in init_process_group, 4
+clients in a store BARRIER. Every client completes, the counter equals the ADDs issued (none
+lost, none applied twice), nobody hangs, and each client logged the outage in one line and its
+end in another (the clients are processes: tests/store/restart_client.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import List
+
+import pytest
+
+from distlib.store.tcp import TCPStore
+from distlib.store_service import StoreServerProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOST = "lost the connection to the store"
+BACK = "reconnected to the store"
+
+
+@pytest.fixture
+def master(tmp_path):
+    server = StoreServerProcess("127.0.0.1", args=["--state-dir", str(tmp_path / "state")],
+                                log_path=str(tmp_path / "master.log"), log_level="INFO",
+                                env=_env()).start()
+    yield server
+    server.stop()
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    for name in ("DISTLIB_AUTH_TOKEN", "DISTLIB_AUTH_TOKEN_FILE", "DISTLIB_TLS_CA", "DISTLIB_TLS_CERT",
+                 "DISTLIB_TLS_KEY"):
+        env.pop(name, None)
+    return env
+
+
+def spawn(mode: str, port: int, who: int, tmp_path) -> subprocess.Popen:
+    err = open(tmp_path / f"{mode}-{who}.err", "w")
+    return subprocess.Popen([sys.executable, "-m", "tests.store.restart_client", mode, str(port), str(who)],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def finish(procs: List[subprocess.Popen], tmp_path, mode: str) -> List[str]:
+    """Each client's stdout, once it exited 0 (within the test's time: a hang fails here)."""
+    outs = []
+    for who, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{mode} client {who} hung after the master's restart: {stderr_of(tmp_path, mode, who)}")
+        assert proc.returncode == 0, f"{mode} client {who} failed ({proc.returncode}): {stderr_of(tmp_path, mode, who)}"
+        outs.append(out)
+    return outs
+
+
+def stderr_of(tmp_path, mode: str, who: int) -> str:
+    return (tmp_path / f"{mode}-{who}.err").read_text()
+
+
+def outage_lines(tmp_path, mode: str, who: int, port: int) -> List[str]:
+    text = stderr_of(tmp_path, mode, who)
+    lost = [line for line in text.splitlines() if LOST in line]
+    back = [line for line in text.splitlines() if BACK in line]
+    assert len(lost) == 1 and f"127.0.0.1:{port}" in lost[0], f"{mode} client {who} logged {lost} for the outage"
+    assert len(back) == 1, f"{mode} client {who} logged {back} for the end of the outage"
+    return lost + back
+
+
+def until(condition, what: str, seconds: float = 60.0) -> None:
+    """Poll ``condition`` (each poll a store round trip) until true; fail naming ``what``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {seconds:.0f} s")
+
+
+def checker(port: int) -> TCPStore:
+    return TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+
+
+def test_16_clients_streaming_adds_lose_none_and_repeat_none(master, tmp_path):
+    port = master.port
+    clients = [spawn("adds", port, i, tmp_path) for i in range(16)]
+    probe = checker(port)
+    probe.wait([f"started/{i}" for i in range(16)], timedelta(seconds=60))
+    before = probe.add("counter", 0)
+    until(lambda: probe.add("counter", 0) >= before + 200, "200 more ADDs")  # all mid-stream (until "stop")
+    probe.close()
+    master.kill()
+    master.start()
+    probe = checker(port)
+    resumed = probe.add("counter", 0)
+    until(lambda: probe.add("counter", 0) >= resumed + 200, "200 ADDs after the restart")
+    probe.set("stop", b"1")
+    outs = finish(clients, tmp_path, "adds")
+    issued = [int(out.split()[-1]) for out in outs]
+    total = probe.add("counter", 0)
+    probe.close()
+    assert total == sum(issued), (f"the counter is {total} after {sum(issued)} ADDs ({issued}): "
+                                  f"{'lost' if total < sum(issued) else 'applied twice'}: {total - sum(issued)}")
+    for who in range(16):
+        outage_lines(tmp_path, "adds", who, port)
+
+
+def test_a_store_barrier_completes_across_the_restart(master, tmp_path):
+    port = master.port
+    early = [spawn("barrier", port, i, tmp_path) for i in range(3)]
+    probe = checker(port)
+    until(lambda: probe.add("the-barrier", 0) >= 3, "3 arrivals at the barrier")  # (its counter)
+    probe.close()
+    master.kill()
+    master.start()
+    late = spawn("barrier", port, 3, tmp_path)
+    outs = finish(early + [late], tmp_path, "barrier")
+    assert all(out.split()[-1] == "passed" for out in outs), outs
+    probe = checker(port)
+    assert probe.add("the-barrier", 0) == 4, "a re-sent BARRIER was counted twice"
+    probe.close()
+    for who in range(3):
+        outage_lines(tmp_path, "barrier", who, port)
+
+
+def test_init_process_group_of_4_ranks_completes_across_the_restart(master, tmp_path):
+    port = master.port
+    early = [spawn("rank", port, r, tmp_path) for r in range(3)]
+    probe = checker(port)
+    until(lambda: probe.num_keys() >= 3, "3 ranks' claims")  # (join.py) they wait for the fourth
+    probe.close()
+    master.kill()
+    master.start()
+    late = spawn("rank", port, 3, tmp_path)
+    outs = finish(early + [late], tmp_path, "rank")
+    sums = [out.split()[-1] for out in outs]
+    assert sums == ["10"] * 4, f"all_reduce after the restart gave {sums} (rank order), 10 each expected"
+    for rank in range(3):
+        outage_lines(tmp_path, "rank", rank, port)
