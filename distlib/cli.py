@@ -64,8 +64,18 @@ def _store_server(args: argparse.Namespace) -> int:
     from .store.tcp.codec import Limits
     from .store.tcp.server import serve
 
-    return serve(args.host, args.port, Limits(max_key=args.max_key_bytes, max_value=args.max_value_bytes),
-                 security=security, memory_budget=args.memory_budget_mb * 1024 * 1024, client_limits=client_limits)
+    from .store.tcp.journal import JournalError
+
+    try:
+        return serve(args.host, args.port, Limits(max_key=args.max_key_bytes, max_value=args.max_value_bytes),
+                     security=security, memory_budget=args.memory_budget_mb * 1024 * 1024,
+                     client_limits=client_limits, state_dir=args.state_dir, sync=args.sync,
+                     compact_bytes=args.compact_mb << 20)
+    except (JournalError, OSError) as exc:
+        if args.state_dir is None and not isinstance(exc, JournalError):
+            raise
+        print(f"distlib store-server: {exc}", file=sys.stderr)
+        return 2
 
 
 def _ping(endpoint: str, timeout: float, security) -> int:
@@ -116,6 +126,7 @@ def _tool(name: str, rest: List[str], level: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .store.tcp import codec
     from .store.tcp import budget
+    from .store.tcp import journal
     from .store.tcp.server import MEMORY_BUDGET
 
     parser = argparse.ArgumentParser(prog="distlib", description=__doc__.splitlines()[0])
@@ -158,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
                           f"(default {budget.MAX_WAIT_KEYS})")
     srv.add_argument("--max-wait-keys", type=int, default=budget.MAX_WAITING_KEYS,
                      help=f"distinct keys waited for, all clients together (default {budget.MAX_WAITING_KEYS})")
+    srv.add_argument("--state-dir", metavar="DIR",
+                     help="keep the keys in DIR (a journal of every change, compacted in the background) and "
+                          "replay them at start, before the port opens: a restarted server comes back with its "
+                          "state (docs/stores.md, 'State directory'); one server per DIR")
+    srv.add_argument("--sync", choices=journal.SYNC_MODES, default=journal.DEFAULT_SYNC,
+                     help="with --state-dir: 'turn' writes and fdatasyncs each loop turn's changes before its "
+                          "replies (group commit: a reply means the change survives a machine crash); 'none' "
+                          "writes them before the replies and leaves the sync to the OS (survives the process's "
+                          f"death, not the machine's) (default {journal.DEFAULT_SYNC})")
+    srv.add_argument("--compact-mb", type=int, default=journal.COMPACT_BYTES >> 20,
+                     help=f"with --state-dir: compact the journal into a snapshot once it passes this size and twice "
+                          f"the last snapshot (default {journal.COMPACT_BYTES >> 20})")
     srv.add_argument("--ping", metavar="HOST:PORT",
                      help="health check: exit 0 iff a server answers at HOST:PORT, then exit")
     srv.add_argument("--timeout", type=float, default=5.0, help="seconds --ping waits (default 5)")

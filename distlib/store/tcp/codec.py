@@ -83,6 +83,10 @@ MAGIC = 0x3C85F7CE
 #: each connection's requests in order (see the module docstring).
 ORDERED_WAIT_PROBE_KEY = b"\x00distlib/ordered-wait/v1"
 
+#: The key of a sequence header: a SET of it (value: 16-byte session id, u64 seq, little-endian)
+#: goes just before a distlib client's write that is not idempotent, in the same send, and
+#: the server runs the two as one request (sessions.py; docs/wire-protocol.md).
+SEQUENCE_KEY = b"\x00distlib/seq/v1"
 #: The worker counter written (without a leading slash) by clients with wait_for_workers.
 WORKER_COUNTER_KEY = b"init/"
 
@@ -115,6 +119,11 @@ class Op(enum.IntEnum):
     LIST_KEYS = 0x11
     BARRIER = 0x12
 
+
+#: The writes a sequence header (``SEQUENCE_KEY``) may precede: those a retry must not apply
+#: twice.
+SEQUENCED_OPS = frozenset({Op.ADD, Op.COMPARE_SET, Op.APPEND, Op.MULTI_SET, Op.DELETE_KEY, Op.QUEUE_PUSH,
+                           Op.QUEUE_POP})
 
 READY = 0  # CHECK: every key exists  (READY is 0, NOT_READY is 1: easy to get backwards)
 NOT_READY = 1
@@ -539,8 +548,19 @@ def decode(buf, pos: int, end: int, limits: Limits):
 
 
 def request_end(buf, pos: int, end: int, limits: Limits) -> int:
-    """Where the request starting at ``buf[pos]`` ends, or ``-need`` (as ``decode``)."""
-    return decode(buf, pos, end, limits)[2]
+    """Where the request starting at ``buf[pos]`` ends, or ``-need`` (as ``decode``); a
+    sequence header ends with the write it precedes (the two are one request)."""
+    op, fields, r = decode(buf, pos, end, limits)
+    if r >= 0 and op == Op.SET and fields[0] == SEQUENCE_KEY:
+        if r >= end:
+            return -(r + 1)
+        r = decode(buf, r, end, limits)[2]
+    return r
+
+
+def sequence_header(session: bytes, seq: int) -> bytes:
+    """The SET that numbers the write sent right after it (``SEQUENCE_KEY``)."""
+    return set_(SEQUENCE_KEY, session + U64.pack(seq))
 
 
 # -- the requests clients send, by name ----------------------------------------------------------

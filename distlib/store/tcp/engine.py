@@ -21,7 +21,8 @@ behind a wait) is charged to the memory budget (budget.py); the server enforces 
 after each call, since closing the connections that hold the most is I/O.
 
 Every change to the stored data goes through ``self.state``'s methods, called by the handlers
-and the batch path (batch.py): that is the one place a journal of changes would hook.
+and the batch path (batch.py): a server with a state directory uses a state whose methods
+also journal the change (journaled_state.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from .budget import ClientLimits, MemoryBudget
 from .codec import MANY_KEY_OPS, STOP_WAITING, U64, Limits, ManyScan, Op, ProtocolError
 from .connection import Connection
 from .handlers import CloseConnection, Handlers
+from .journal import Journal
+from .journal_records import Image
+from .journaled_state import JournaledState
 from .observe import Observer, observed_table
 from .state import KeyValueState, StateError
 
@@ -58,19 +62,25 @@ class RequestEngine:
     the waits of the state counted in it; the server's sending charges it too).
     ``client_limits`` caps the keys waited for; ``on_worker(conn, value)`` is told of each ADD
     on the worker counter ``init/`` (handlers.py); ``observer`` (observe.py), of every request.
+    With a ``journal`` (journal.py), the state starts from ``image`` (what it replayed) and
+    records every change in it; the loop commits it before sending a turn's replies.
     """
 
     def __init__(self, limits: Limits, client_limits: ClientLimits, memory_budget: int,
-                 on_worker: Callable[[Connection, int], None], observer: Optional[Observer] = None):
+                 on_worker: Callable[[Connection, int], None], observer: Optional[Observer] = None,
+                 journal: Optional[Journal] = None, image: Optional[Image] = None):
         self.limits = limits
         #: Connections with replies on ``conn.out`` since the loop last took them (sent at the
         #: end of its turn); a connection may be listed more than once.
         self.answered: List[Connection] = []
         #: Connections whose wait completed while requests were held behind it (``run_released``).
         self.released: List[Connection] = []
-        self.state = KeyValueState(self.wait_released,  # type: ignore[arg-type]  # its Waiters are Connections
-                                   limits.max_value, client_limits.max_wait_keys_per_client,
-                                   client_limits.max_wait_keys)
+        state_args = (self.wait_released, limits.max_value, client_limits.max_wait_keys_per_client,
+                      client_limits.max_wait_keys)
+        if journal is None:
+            self.state = KeyValueState(*state_args)  # type: ignore[arg-type]  # its Waiters are Connections
+        else:  # every change also journaled (journaled_state.py), starting from what was replayed
+            self.state = JournaledState(journal, image or Image(), *state_args)  # type: ignore[arg-type]
         self.budget = MemoryBudget(memory_budget, self.state)
         self.handlers = Handlers(self.state, limits, on_worker)  # type: ignore[arg-type]  # (its conns: ours)
         # One entry per opcode byte: parse the request at buf[pos:end] and run it; return the

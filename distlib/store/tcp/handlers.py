@@ -35,11 +35,14 @@ from .codec import (
     NOT_READY,
     ORDERED_WAIT_PROBE_KEY,
     READY,
+    SEQUENCE_KEY,
+    SEQUENCED_OPS,
     STOP_WAITING,
     U64,
     WAIT_CANCELED,
     WORKER_COUNTER_KEY,
     Limits,
+    decode,
     Op,
     ProtocolError,
     read_key,
@@ -104,6 +107,7 @@ class Handlers:
             (Op.BARRIER, self._op_barrier),
         ):
             ops[op] = fn
+        self._ops = ops
         return ops
 
     def cancel_wait(self, conn) -> None:
@@ -123,7 +127,43 @@ class Handlers:
     def _op_set(self, conn, buf, pos: int, end: int) -> int:
         key, value, r = read_key_value(buf, pos + 1, end, self.limits)
         if r >= 0:
+            if key == SEQUENCE_KEY:
+                return self._sequenced(conn, buf, r, end, value)
             self.state.set(key, value)
+        return r
+
+    def _sequenced(self, conn, buf, pos: int, end: int, header: bytes) -> int:
+        """A sequence header and the write after it (sessions.py): run the write unless its
+        session applied it already; then answer the reply it got then."""
+        if pos >= end:
+            return -(pos + 1)
+        op, _fields, r = decode(buf, pos, end, self.limits)
+        if r < 0:
+            return r
+        if op not in SEQUENCED_OPS:
+            raise ProtocolError(f"a sequence header before opcode 0x{op:02x}, which is not a sequenced write")
+        if len(header) != 24:
+            raise ProtocolError(f"a sequence header of {len(header)} bytes (24 expected)")
+        session = header[:16]
+        (seq,) = U64.unpack_from(header, 16)
+        state = self.state
+        entry = state.sessions.get(session)
+        if entry is not None and seq <= entry.seq:
+            if seq < entry.seq:
+                raise ProtocolError(f"write {seq} of session {session.hex()} re-sent after its write {entry.seq}")
+            if entry.reply:
+                conn.out.append(entry.reply)  # applied before: the same answer, not again
+            return r
+        out = conn.out
+        mark = len(out)
+        state.begin_group()
+        try:
+            self._ops[op](conn, buf, pos, r)
+        except BaseException:
+            state.end_group(None)
+            raise
+        reply = b"".join(out[mark:])
+        state.end_group(state.sessions.record(session, seq, reply))
         return r
 
     def _op_get(self, conn, buf, pos: int, end: int) -> int:

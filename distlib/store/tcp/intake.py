@@ -107,6 +107,9 @@ class Intake:
         self.answered = answered
         self.on_admitted = on_admitted
         self.log_connections = log_connections
+        #: Called before a closing connection's last replies are sent (the server's journal
+        #: commit: no reply goes out before the change it reports is written).
+        self.before_parting: Optional[Callable[[], None]] = None
         #: Listening sockets by fd.
         self.listeners: Dict[int, socket.socket] = {listener.fileno(): listener}
         if local_listener is not None:
@@ -436,6 +439,8 @@ class Intake:
                 self._log_refusal(conn.host, f"closed connection of client {conn.peer}: {reason} "
                                              f"({len(self.conns) + len(self.admitting)} open)", reason, level)
         if parting and level is not None:
+            if self.before_parting is not None:
+                self.before_parting()
             # Unread input would make close() send a reset, which can destroy what was sent
             # before the peer reads it: drain what arrived (bounded), then send.
             try:

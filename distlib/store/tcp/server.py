@@ -82,6 +82,7 @@ from .connection import EPOLLIN, EPOLLIN_ERRS, EPOLLOUT, EPOLLRDHUP, Connection
 from .engine import RequestEngine
 from .handlers import CloseConnection
 from .intake import Intake
+from .journal import COMPACT_BYTES, DEFAULT_SYNC, Journal, describe_sync
 from .observe import Observer
 from .security import StoreSecurity
 from .sending import ReplySender
@@ -123,8 +124,22 @@ class StoreServer:
         memory_budget: int = MEMORY_BUDGET,
         client_limits: Optional[ClientLimits] = None,
         observer: Optional[Observer] = None,
+        state_dir: Optional[str] = None,
+        sync: str = DEFAULT_SYNC,
+        compact_bytes: int = COMPACT_BYTES,
     ):
         self.limits = limits or Limits()
+        #: The state directory's journal (journal.py), replayed before the port is opened, so
+        #: that a client (or a TCP readiness probe) gets in only once the state is back.
+        self.journal: Optional[Journal] = None
+        image = None
+        if state_dir is not None:
+            self.journal = Journal(state_dir, sync, compact_bytes)
+            try:
+                image = self.journal.recover()
+            except BaseException:
+                self.journal.close()
+                raise
         self.client_limits = client_limits or ClientLimits()
         self.security = security if security is not None else StoreSecurity.from_env()
         self.admission = Admission(self.security.token, self.security.server_tls)
@@ -153,7 +168,8 @@ class StoreServer:
         self.worker_peers: List[str] = []
         self.counter_changed = threading.Condition()
         #: The requests: framing, ordered waits, the handlers, the state and the memory budget.
-        self.engine = RequestEngine(self.limits, self.client_limits, memory_budget, self._worker_joined, observer)
+        self.engine = RequestEngine(self.limits, self.client_limits, memory_budget, self._worker_joined, observer,
+                                    self.journal, image)
         batch_path = batch_path and observer is None  # an observer hears every request (observe.py)
         self.state = self.engine.state
         self.budget = self.engine.budget
@@ -161,6 +177,8 @@ class StoreServer:
         #: Who comes in, and closing.
         self.intake = Intake(self.ep, self.listener, self.local_listener, self.admission, self.client_limits,
                              self.state, self.budget, self.engine.answered, self._admitted, log_connections)
+        if self.journal is not None:
+            self.intake.before_parting = self.journal.commit  # a closed connection's last replies too
         #: The batch path for plain ADD and WAIT turns (batch.py); ``batch_path=False`` leaves
         #: every request to the general path (the tests compare the two).
         self.batch: Optional[batch.BatchPath] = batch.BatchPath(self.state, self.limits) if batch_path else None
@@ -199,6 +217,8 @@ class StoreServer:
 
     def _release(self) -> None:
         self._released = True
+        if self.journal is not None:
+            self.journal.close()
         if self.batch is not None:
             self.batch.close()
         self.ep.close()
@@ -283,6 +303,9 @@ class StoreServer:
         budget = self.budget
         if budget.buffered + budget.state.wait_bytes > budget.limit:  # waits grew (budget.over, inline: per turn)
             self._evict()
+        journal = self.journal
+        if journal is not None and journal.pending:  # the turn's changes are on disk before its replies go
+            journal.commit()
         if engine.answered:
             self.sender.flush(engine.answered)
 
@@ -433,12 +456,17 @@ class StoreServer:
 
 
 def serve(host: str, port: int, limits: Optional[Limits] = None, security: Optional[StoreSecurity] = None,
-          memory_budget: int = MEMORY_BUDGET, client_limits: Optional[ClientLimits] = None) -> int:
+          memory_budget: int = MEMORY_BUDGET, client_limits: Optional[ClientLimits] = None,
+          state_dir: Optional[str] = None, sync: str = DEFAULT_SYNC, compact_bytes: int = COMPACT_BYTES) -> int:
     """Run the TCP master service in this thread until SIGTERM/SIGINT; return an exit code."""
     import signal
 
     server = StoreServer(host, port, limits=limits, log_connections=True, security=security,
-                         memory_budget=memory_budget, client_limits=client_limits)
+                         memory_budget=memory_budget, client_limits=client_limits, state_dir=state_dir,
+                         sync=sync, compact_bytes=compact_bytes)
+    if server.journal is not None:
+        log.info("state directory %s: %s; compacted past %d MiB", server.journal.directory,
+                 describe_sync(server.journal.sync), compact_bytes >> 20)
     where = server.listener.getsockname()[0]
     caps = server.client_limits
     log.info("distlib store-server listening on %s (port %d%s); %s; key limit %d bytes, value limit %d bytes, "

@@ -46,6 +46,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..base import INT64_MAX, INT64_MIN, add_to_counter, compare_set_refusal, describe_key, wrap_int64
 from .codec import MAX_VALUE_BYTES
+from .sessions import Sessions
 
 #: Bytes each key a wait registers costs beyond the key's own: its bytes object's header and
 #: its slots in ``waiters[key]`` and in the waiter's key list ...
@@ -94,6 +95,15 @@ class KeyValueState:
         self.barrier_waiters: Dict[bytes, List[Waiter]] = {}
         #: What every pending wait holds, in bytes (see "What waits cost" above).
         self.wait_bytes = 0
+        #: The clients' sessions: their last sequenced write and its reply (sessions.py).
+        self.sessions = Sessions()
+
+    def begin_group(self) -> None:
+        """A sequenced write begins: its changes and its session's entry belong together (the
+        journaled state records them as one; here, nothing to do)."""
+
+    def end_group(self, more: Optional[List[bytes]]) -> None:
+        """The sequenced write ended; ``more``: its session's records (None: it failed)."""
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -133,7 +143,7 @@ class KeyValueState:
             raise StateError(
                 f"APPEND to key {describe_key(key)} would make a value of {len(new)} bytes, "
                 f"over the limit of {self.max_value}")
-        self.set(key, new)
+        KeyValueState.set(self, key, new)  # (not an override's: a journal records the APPEND itself)
 
     def delete(self, key: bytes) -> bool:
         """DELETE_KEY: whether the key was there. Waiters are neither woken nor cancelled."""
