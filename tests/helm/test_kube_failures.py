@@ -137,15 +137,18 @@ def test_a_deleted_master_pod_comes_back_with_its_state_and_the_job_completes(
               f"{result.seconds:.0f} s after that; the nodes' reports: away for {seconds} s")
         for text in said:
             print("  " + [line for line in text.splitlines() if re.search(lost, line)][-1])
+        print(_lane.describe(kube, ns))
     assert named_s < 40
     assert result.condition == "Complete", f"{result.condition}:\n" + "\n".join(t[-3000:] for t in finals)
     assert result.job["status"].get("failed", 0) == 0, result.job["status"]  # no pod lost, none replaced
     assert "RESULT: PASS" in finals[0], finals[0][-3000:]
     for index, text in enumerate(finals):
         assert "round 1" not in text and "node lost" not in text, f"node {index} restarted:\n{text[-3000:]}"
-        (gone,) = [float(m.group(1)) for m in re.finditer(away, text, re.M)] or [None]
-        assert gone is not None and 0 < gone < 60, f"node {index}'s report does not say how long the master was away:\n" \
-                                                  f"{text[-3000:]}"
+        # one absence, or two: the old pod's server closes the connections when its SIGTERM
+        # comes, and the agents may reach it once more before it is gone and the new one is in
+        gone = [float(m.group(1)) for m in re.finditer(away, text, re.M)]
+        assert 1 <= len(gone) <= 2 and all(0 < g < 60 for g in gone), \
+            f"node {index}'s report does not say how long the master was away ({gone}):\n{text[-3000:]}"
 
 
 
