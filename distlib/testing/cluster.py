@@ -80,15 +80,19 @@ class Cluster:
                                       f"not here: {self.substrate.missing.get(need, 'not offered')}")
 
     def run(self, job: Job, schedule: Union[Schedule, Iterable[StepLike], None] = None,
-            deadline: float = DEFAULT_DEADLINE_S, held: Sequence[Union[int, str]] = ()) -> Result:
+            deadline: float = DEFAULT_DEADLINE_S, held: Sequence[Union[int, str]] = (),
+            keep_master_state: bool = False) -> Result:
         """Run ``job`` on every node (but the ``held`` ones, which a ``StartNode`` step starts
-        later) under ``schedule``, for at most ``deadline`` seconds."""
+        later) under ``schedule``, for at most ``deadline`` seconds. ``keep_master_state``: the
+        master service journals its keys in a directory of the run's (``distlib store-server
+        --state-dir``) and replays them when ``StartMaster``/``RestartMaster`` start it again, as
+        a deployed master does; without it, a restarted master comes back empty."""
         plan = self.replay if self.replay is not None else Schedule.of(schedule)
         self.check(plan)
         self.schedules.append(plan)
         self._runs += 1
         run = _Run(self, job, plan, deadline, os.path.join(self.run_dir, f"run-{self._runs}"),
-                   [host_name(h) for h in held])
+                   [host_name(h) for h in held], keep_master_state)
         result = run.execute()
         self.results.append(result)
         if run.fault_errors:
@@ -110,7 +114,7 @@ class _Run:
     """One run of a job: hosts started, schedule followed, deadline kept, everything ended."""
 
     def __init__(self, cluster: Cluster, job: Job, schedule: Schedule, deadline: float, run_dir: str,
-                 held: List[str]):
+                 held: List[str], keep_master_state: bool = False):
         unknown = [h for h in held if h not in cluster.names]
         if unknown:
             raise ValueError(f"held hosts {unknown} are not nodes of this cluster ({', '.join(cluster.names)})")
@@ -135,6 +139,11 @@ class _Run:
         if too_long:
             raise ValueError(f"{too_long}: use a shorter run directory")
         self.master_port = MASTER_PORT if "network" in cluster.substrate.abilities else 0
+        #: the master's --state-dir (keep_master_state), in the run directory: mounted at the same
+        #: path in containers, and kept across the master's restarts; None: no journal
+        self.master_state: Optional[str] = os.path.join(run_dir, "master-state") if keep_master_state else None
+        if self.master_state:
+            os.makedirs(self.master_state, exist_ok=True)
         self._master_argv: List[str] = []
         self._node_argv: List[str] = []
         self._master_addr = ""
@@ -223,6 +232,8 @@ class _Run:
             python = self.job.python or substrate.interpreter()
             listen = "0.0.0.0" if "network" in substrate.abilities else self.hosts["master"].address
             self._master_argv = [python, "-m", "distlib.testing.master", "--socket", self.socket_path, "--host", listen]
+            if self.master_state:
+                self._master_argv += ["--state-dir", self.master_state]
             self._start_master()
             master_addr = "master" if "names" in substrate.abilities else self.hosts["master"].address
             argv = self.job.argv(python, self.cluster.nodes)

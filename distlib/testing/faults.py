@@ -279,7 +279,8 @@ class KillMaster(Fault):
 
 @dataclass(frozen=True)
 class StartMaster(Fault):
-    """Start the master service again on the same host and port (empty: its keys are gone)."""
+    """Start the master service again on the same host and port: empty (its keys are gone), or
+    with its keys replayed from its journal when the run keeps them (``keep_master_state``)."""
 
     name: ClassVar[str] = "start_master"
     needs: ClassVar[FrozenSet[str]] = frozenset({"master"})
@@ -293,7 +294,8 @@ class StartMaster(Fault):
 
 @dataclass(frozen=True)
 class RestartMaster(Fault):
-    """Kill the master service and start it again at once on the same address."""
+    """Kill the master service and start it again at once on the same address (with its keys
+    under ``keep_master_state``, as StartMaster)."""
 
     name: ClassVar[str] = "restart_master"
     needs: ClassVar[FrozenSet[str]] = frozenset({"master"})

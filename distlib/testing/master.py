@@ -4,7 +4,9 @@ distlib's TCP store server, as ``distlib store-server`` runs it, that also tells
 over its socket when it is listening (so the ranks start only then, and a restart is known to
 be complete) and, through the server's observer (distlib/store/tcp/observe.py), every operation
 it receives: (peer, op, keys), keys as on the wire (a TCPStore client, torch's too, puts "/" in
-front). The observer turns the server's batch path off: every request is heard.
+front). The observer turns the server's batch path off: every request is heard. With
+``--state-dir`` it journals its keys and replays them when started again (a run's
+``keep_master_state``), and says it is ready only once they are back.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--socket", required=True, help="the harness's UNIX socket")
     parser.add_argument("--node", default="master")
+    parser.add_argument("--state-dir", help="journal the keys here and replay them at start, as "
+                                           "`distlib store-server --state-dir` (Cluster.run(keep_master_state=True))")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
@@ -59,7 +63,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     def observe(peer: str, op: str, keys: tuple) -> None:
         reporter.send("store", peer=peer, op=op, keys=[k.decode("utf-8", "backslashreplace") for k in keys])
 
-    server = StoreServer(args.host, args.port, log_connections=True, observer=observe)
+    kept = {"state_dir": args.state_dir} if args.state_dir else {}
+    server = StoreServer(args.host, args.port, log_connections=True, observer=observe, **kept)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     reporter.send("ready", port=server.port)
     server.serve_forever()

@@ -156,6 +156,17 @@ def test_compose_files_of_every_mode(tmp_path, impl, mode):
         assert "distlib" in services["master"]["healthcheck"]["test"] and \
             "--ping" in services["master"]["healthcheck"]["test"]
         assert worker["depends_on"]["master"]["condition"] == "service_healthy"
+        # the master keeps its journal on a volume of the run's and is started again by Docker
+        # when it dies, so it comes back with its keys (docs/cluster.md, "The master restarted")
+        master = services["master"]
+        command = master["command"]
+        assert command[command.index("--state-dir") + 1] == "/var/lib/distlib/master", command
+        assert master["restart"] == "on-failure", master
+        assert any((isinstance(v, dict) and v.get("type") == "volume" and v.get("source") == "master-state"
+                    and v.get("target") == "/var/lib/distlib/master")
+                   or str(v).startswith("master-state:/var/lib/distlib/master") for v in master["volumes"]), \
+            master["volumes"]
+        assert "master-state" in config["volumes"], config["volumes"]
     if mode in ("file", "nfs"):
         assert any(":/shared" in str(v) or (isinstance(v, dict) and v.get("target") == "/shared")
                    for v in worker["volumes"]), worker["volumes"]

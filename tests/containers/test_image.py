@@ -72,7 +72,8 @@ def test_runs_as_unprivileged_user(box, image):
 def test_home_workdir_and_shared_mount_point_are_writable(box):
     assert run_ok(box, "pwd") == "/workspace"
     assert run_ok(box, 'echo "$HOME"') == "/home/distlib"
-    for directory in ("$HOME", "/workspace", "/shared", "/tmp"):
+    # /var/lib/distlib/master: the master service's --state-dir (compose/mode-tcp.yml)
+    for directory in ("$HOME", "/workspace", "/shared", "/tmp", "/var/lib/distlib/master"):
         run_ok(box, f'f="{directory}/probe.$$" && echo ok > "$f" && cat "$f" && rm "$f"')
 
 

@@ -69,14 +69,47 @@ def image_values(image: str) -> dict[str, str]:
     return {"repository": repo, "tag": tag, "pullPolicy": "Never"}
 
 
+#: the label on the PersistentVolumes this lane makes for a namespace (deleted with it)
+PV_NAMESPACE_LABEL = "distlib.test/namespace"
+
+
 @contextlib.contextmanager
 def namespace(kube: Any) -> Iterator[str]:
-    """A namespace of its own per test (part of every DNS name), deleted with its pods after."""
+    """A namespace of its own per test (part of every DNS name), deleted with its pods after,
+    and with the PersistentVolumes the lane made for its claims."""
     ns = kube.cluster.namespace(f"{kube_cluster.NAMESPACE_PREFIX}{uuid.uuid4().hex[:8]}")
     try:
         yield ns
     finally:
         kube.cluster.delete_namespace(ns)
+        for pv in kube.api.items("/api/v1/persistentvolumes", labelSelector=f"{PV_NAMESPACE_LABEL}={ns}"):
+            kube.api.delete(f"/api/v1/persistentvolumes/{pv['metadata']['name']}")
+
+
+def _wants_master_claim(values: dict[str, Any]) -> bool:
+    """Whether the chart makes the master's state claim for these values (master.persistence)."""
+    master = values.get("master", {})
+    persistence = master.get("persistence", {})
+    return (values.get("mode", "tcp") == "tcp" and not master.get("externalEndpoint")
+            and persistence.get("enabled", True) and not persistence.get("existingClaim"))
+
+
+def master_state_volume(kube: Any, ns: str, release: str = RELEASE) -> Path:
+    """The lane's provisioner, for the master's state claim (the cluster has no dynamic
+    provisioner): a hostPath PersistentVolume of class "" bound in advance to the chart's claim
+    "<release>-distlib-master-state", in a directory of the cluster's work directory (one node:
+    what a new master pod on it mounts is what the old one wrote). Deleted with the namespace.
+    The directory is world-writable: hostPath gets no fsGroup, and the pods run as uid 1000."""
+    claim = f"{release}-distlib-master-state"
+    host_dir = Path(kube.cluster.workdir) / "volumes" / ns / claim
+    host_dir.mkdir(parents=True, exist_ok=True)
+    host_dir.chmod(0o1777)
+    kube.api.create("/api/v1/persistentvolumes", {
+        "metadata": {"name": f"{ns}-{claim}", "labels": {PV_NAMESPACE_LABEL: ns}},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain", "claimRef": {"namespace": ns, "name": claim},
+                 "hostPath": {"path": str(host_dir), "type": "Directory"}}})
+    return host_dir
 
 
 def helm_config(helm: Any, kube: Any, ns: str) -> Any:
@@ -86,7 +119,8 @@ def helm_config(helm: Any, kube: Any, ns: str) -> Any:
 def install(helm: Any, kube: Any, chart: Any, ns: str, values: dict[str, Any],
             release: str = RELEASE) -> dict[str, Any]:
     """``helm install <release> <chart> -n <ns> --values ...``: the release's summary (with the
-    rendered ``manifest``)."""
+    rendered ``manifest``). The master's state claim, when the values make one, is bound to a
+    hostPath volume made here first (master_state_volume)."""
     import json
 
     from helm_python import _native
@@ -97,6 +131,8 @@ def install(helm: Any, kube: Any, chart: Any, ns: str, values: dict[str, Any],
     # 3's way) is stored with the field dropped, as 1.20 drops it for any client.
     # helm-python-sdk's install() has no arguments for these options of Helm's, so its call is
     # made here as install() makes it, with them added.
+    if _wants_master_claim(values):
+        master_state_volume(kube, ns, release)
     options = {"namespace": ns, "timeout_seconds": 60, "disable_openapi_validation": True,
                "server_side_apply": False}
     with helm_config(helm, kube, ns) as cfg:

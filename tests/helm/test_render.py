@@ -76,7 +76,7 @@ def test_objects_per_mode(rendered: Rendered, scenario: str) -> None:
     )
     own_master = scenario in ("tcp", "gpu")
     expected = ["Job:worker", "Service:worker"] + (
-        ["Deployment:master", "Service:master"] if own_master else []
+        ["Deployment:master", "Service:master", "PersistentVolumeClaim:master"] if own_master else []
     )
     if not rendered.values.get("auth", {}).get("existingSecret"):
         expected.append("Secret:auth")  # the token (auth.enabled, the default)
@@ -325,13 +325,64 @@ def test_master_store_server_and_probes(chart: Any) -> None:
         "0.0.0.0",
         "--port",
         "29600",
+        "--state-dir",
+        "/var/lib/distlib/master",
     ]
     ping = ["distlib", "store-server", "--ping", "127.0.0.1:29600", "--timeout", "2"]
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["exec"]["command"] == ping
         assert c[probe]["timeoutSeconds"] > 2, "the probe must outlast the ping's own timeout"
+    # the port opens only once the journal is replayed: the startup probe connects to it, and
+    # holds the liveness probe off for as long as a large journal takes (10 min by default)
+    assert c["startupProbe"]["tcpSocket"] == {"port": "store"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, startup
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
     assert flags(r.worker["args"])["--rdzv-endpoint"].endswith(":29600")
+
+
+def _state_volume(r: Rendered) -> dict[str, Any]:
+    pod = r.one("Deployment", "master")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/var/lib/distlib/master"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+def test_master_state_on_a_claim_of_the_release(chart: Any) -> None:
+    """By default the master's --state-dir is a ReadWriteOnce claim the chart makes (deleted
+    with the release); storageClass "" leaves the class to the cluster's default, "-" asks for
+    none (a PersistentVolume made by hand), a name asks for that class."""
+    r = render(chart)
+    claim = r.one("PersistentVolumeClaim", "master")
+    assert _state_volume(r) == {"name": "state", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}
+    assert claim["metadata"]["name"] == f"{RELEASE}-distlib-master-state"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert "storageClassName" not in claim["spec"], "empty: the cluster's default class"
+    assert "helm.sh/resource-policy" not in claim["metadata"].get("annotations", {}), "uninstall deletes it"
+    none = render(chart, {"master": {"persistence": {"storageClass": "-", "size": "5Gi"}}})
+    assert none.one("PersistentVolumeClaim", "master")["spec"]["storageClassName"] == ""
+    assert none.one("PersistentVolumeClaim", "master")["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    fast = render(chart, {"master": {"persistence": {"storageClass": "fast-ssd",
+                                                     "accessModes": ["ReadWriteOncePod"]}}})
+    assert fast.one("PersistentVolumeClaim", "master")["spec"]["storageClassName"] == "fast-ssd"
+    assert fast.one("PersistentVolumeClaim", "master")["spec"]["accessModes"] == ["ReadWriteOncePod"]
+
+
+def test_master_state_on_an_existing_claim_or_an_empty_dir(chart: Any) -> None:
+    """existingClaim: that claim, and the chart makes none; persistence off: an emptyDir (kept
+    across container restarts, not pods), no claim, and the server still journals."""
+    mine = render(chart, {"master": {"persistence": {"existingClaim": "my-master-state"}}})
+    assert mine.maybe("PersistentVolumeClaim", "master") is None
+    assert _state_volume(mine)["persistentVolumeClaim"] == {"claimName": "my-master-state"}
+    off = render(chart, {"master": {"persistence": {"enabled": False}}})
+    assert off.maybe("PersistentVolumeClaim", "master") is None
+    assert _state_volume(off) == {"name": "state", "emptyDir": {}}
+    (c,) = off.one("Deployment", "master")["spec"]["template"]["spec"]["containers"]
+    assert c["args"][-2:] == ["--state-dir", "/var/lib/distlib/master"]
+    for values in ({"mode": "rank0"}, {"master": {"externalEndpoint": "store.infra:29500"}, "auth": {"enabled": False}}):
+        assert render(chart, values).maybe("PersistentVolumeClaim", "master") is None, values
 
 
 def test_master_only_in_tcp_mode(chart: Any) -> None:
@@ -589,7 +640,7 @@ def test_standard_labels(rendered: Rendered) -> None:
         elif d["kind"] == "Secret":
             component = "auth"
         else:
-            component = "master" if d["metadata"]["name"].endswith("-master") else "worker"
+            component = "master" if d["metadata"]["name"].endswith(("-master", "-master-state")) else "worker"
         assert labels["app.kubernetes.io/component"] == component
         if d["kind"] in ("Job", "Deployment"):
             pod_labels = d["spec"]["template"]["metadata"]["labels"]
@@ -639,6 +690,7 @@ def test_name_overrides(chart: Any) -> None:
         "Service/bert-workers",
         "Deployment/bert-master",
         "Service/bert-master",
+        "PersistentVolumeClaim/bert-master-state",
         "Pod/bert-test-master",
         "Secret/bert-auth",
         "NetworkPolicy/bert-master",

@@ -6,7 +6,10 @@ it out"): real agents, a real `distlib store-server` that is frozen or killed.
   state say the store was away and for how long;
 * killed and not back within --store-outage-timeout: every node fails naming it within the
   bound + 10 s (it is started again after the bound: the nodes are gone by then);
-* back within the bound but empty (no journal): every node fails saying it lost the job.
+* back within the bound but empty (no journal): every node fails saying it lost the job;
+* killed (SIGKILL) and started again 5 s later on the same port with the same --state-dir:
+  the journal brings the job's keys back, and the job completes in round 0 (restart count 0),
+  every node reporting the absence.
 """
 
 from __future__ import annotations
@@ -29,13 +32,28 @@ pytestmark = pytest.mark.timeout(180)
 CONF = "keep_alive_interval=0.5,keep_alive_max_attempt=4,last_call_timeout=3,join_timeout=30"
 
 
+class JournaledServer(StoreServerProcess):
+    """`distlib store-server --state-dir DIR`: its keys journaled in DIR and replayed at start."""
+
+    def __init__(self, *args, state_dir: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.state_dir = state_dir
+
+    def command(self, port: int) -> list:
+        return super().command(port) + ["--state-dir", self.state_dir]
+
+
 @pytest.fixture
 def server():
-    """A `distlib store-server` this test may freeze or kill; stopped at the end."""
+    """A `distlib store-server` this test may freeze or kill (with ``state_dir``: journaled
+    there); stopped at the end."""
     made = []
 
-    def start(port: int = 0) -> StoreServerProcess:
-        made.append(StoreServerProcess("127.0.0.1", port, env=clean_env()).start())
+    def start(port: int = 0, state_dir=None) -> StoreServerProcess:
+        if state_dir is None:
+            made.append(StoreServerProcess("127.0.0.1", port, env=clean_env()).start())
+        else:
+            made.append(JournaledServer("127.0.0.1", port, env=clean_env(), state_dir=str(state_dir)).start())
         return made[-1]
 
     yield start
@@ -137,3 +155,37 @@ def test_a_master_restarted_empty_within_the_bound_fails_every_node_saying_it_lo
         assert "launcher/elastic_agent.py" not in text, text[-3000:]  # the agent did not crash
         assert re.search(rf"the elastic job cannot go on: the rendezvous store \(TCPStore server {endpoint}\) answers "
                          r"again but no longer holds run 'store-restarted'", text), text[-2000:]
+
+
+def test_a_master_killed_and_back_with_its_journal_after_5_s_is_ridden_out_in_the_same_round(make_job, server,
+                                                                                             tmp_path):
+    """3 nodes, --nnodes 2:3, the rounds on a master that journals to --state-dir: SIGKILL it
+    mid-training and start it again 5 s later on the same port with the same directory. The
+    agents keep their workers running while it is away; it comes back with the run's keys, and
+    the job completes in round 0 with restart count 0, every node reporting the absence (the
+    kill's 5 s, plus the restart)."""
+    state = tmp_path / "master-state"
+    master = server(state_dir=state)
+    port, endpoint = master.port, master.endpoint
+    job = make_job(endpoint, "master-journaled", "2:3", 3, conf=CONF, EW_STEPS="300", EW_STEP_S="0.05")
+    job.start(3)
+    job.started(0, 3)
+    master.proc.kill()
+    master.proc.wait(10)
+    time.sleep(5.0)  # the stimulus: how long the master stays dead (not an ordering wait)
+    server(port, state_dir=state)
+    codes = job.wait(timeout=120)
+    assert set(codes.values()) == {0}, [job.log(a)[-3000:] for a in job.agents]
+    assert sorted(job.records(0)) == [0, 1, 2] and not job.records(1), "the job restarted"
+    for rank, rec in job.records(0).items():
+        assert rec["env"]["TORCHELASTIC_RESTART_COUNT"] == "0" and rec["sum"] == 3.0, (rank, rec)
+    state_now = job.state()
+    assert state_now.round == 0 and state_now.phase == R.SUCCEEDED, state_now
+    assert len(state_now.outages) == 1 and 5.0 <= state_now.outages[0].seconds <= 30.0, state_now.outages
+    for agent in job.agents:
+        text = job.log(agent)
+        assert "node lost" not in text and "round 1" not in text and "no longer holds run" not in text, text[-3000:]
+        (seconds,) = away_lines(text, endpoint)
+        assert seconds == pytest.approx(state_now.outages[0].seconds, abs=0.06), (seconds, state_now.outages)
+    print(f"\n[master killed, back with its journal after 5 s] away {state_now.outages[0].seconds:.1f} s "
+          f"(every node's report); the job completed in round 0")

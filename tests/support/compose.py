@@ -59,8 +59,7 @@ CLUSTER_VARIABLES = ("MODE", "NODES", "NPROC_PER_NODE", "JOB", "JOB_DIR", "JOB_A
                      "NFS_PATH", "RUN_ID", "COMPOSE", "SKIP_BUILD", "QUIET", "CLUSTER_TIMEOUT", "CLUSTER_STATE_DIR")
 
 
-def run_cluster(action: str, state_dir: Path, image: Optional[str] = None, compose: Optional[List[str]] = None,
-                timeout: float = 400, cwd: Path = REPO_ROOT, **env: str) -> subprocess.CompletedProcess:
+def _cluster_env(state_dir: Path, image: Optional[str], compose: Optional[List[str]], env: Dict[str, str]) -> Dict[str, str]:
     full = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     full.update({"CLUSTER_STATE_DIR": str(state_dir), "SKIP_BUILD": "1", "QUIET": "1", "CLUSTER_TIMEOUT": "300"})
     if image:
@@ -68,8 +67,23 @@ def run_cluster(action: str, state_dir: Path, image: Optional[str] = None, compo
     if compose:
         full["COMPOSE"] = " ".join(compose)
     full.update(env)
-    return subprocess.run([sys.executable, "-m", "distlib_deploy.cluster", action], cwd=cwd, env=full,
+    return full
+
+
+def run_cluster(action: str, state_dir: Path, image: Optional[str] = None, compose: Optional[List[str]] = None,
+                timeout: float = 400, cwd: Path = REPO_ROOT, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "distlib_deploy.cluster", action], cwd=cwd,
+                          env=_cluster_env(state_dir, image, compose, env),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def start_cluster(action: str, state_dir: Path, image: Optional[str] = None, compose: Optional[List[str]] = None,
+                  cwd: Path = REPO_ROOT, **env: str) -> subprocess.Popen:
+    """`distlib cluster ACTION` started in the background (``up`` while the test acts on the
+    running cluster, e.g. `distlib cluster kill`); its output is read with ``communicate()``."""
+    return subprocess.Popen([sys.executable, "-m", "distlib_deploy.cluster", action], cwd=cwd,
+                            env=_cluster_env(state_dir, image, compose, env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
 
 def project_of(state_dir: Path) -> str:

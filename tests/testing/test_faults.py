@@ -90,6 +90,38 @@ def assert_nothing_left(cluster):
     assert client is not None
 
 
+def test_a_master_restarted_under_keep_master_state_comes_back_with_every_key_it_was_given(hosts):
+    """run(..., keep_master_state=True): the harness's master journals to the run's
+    master-state directory (store-server --state-dir), and RestartMaster brings it back with its
+    keys. Every key the master was told to write before the restart (set, add, compare_set,
+    ..., as its observer heard them) and never to delete is in that directory after the run."""
+    from distlib.store.tcp.client import TCPStore
+    from distlib.store.tcp.security import StoreSecurity
+    from distlib.store.tcp.server import StoreServer
+
+    cluster = hosts(nodes=2)
+    result = cluster.run(job(STEPS=20), [(cues.Collective(rank=0, n=5), faults.RestartMaster())], deadline=120,
+                         keep_master_state=True)
+    result.assert_no_hang()
+    restarted = result.fault_time(0)
+    stores = [e for e in result.events if e.kind == "store"]
+    deleted = {k for e in stores if e.data["op"] in ("delete_key", "queue_pop") for k in e.data["keys"]}
+    written = {k for e in stores if e.t < restarted and e.data["op"] in ("set", "add", "compare_set", "append",
+                                                                           "multi_set")
+               for k in e.data["keys"] if not k.startswith("\0")} - deleted
+    assert written, f"the master heard no write before its restart:\n{result.report()}"
+    state_dir = os.path.join(result.run_dir, "master-state")
+    server = StoreServer("127.0.0.1", 0, security=StoreSecurity(), state_dir=state_dir).start()
+    try:
+        client = TCPStore("127.0.0.1", server.port, timeout=10, security=StoreSecurity())
+        # keys as on the wire: the client puts "/" in front of the ones it is given
+        missing = [k for k in sorted(written) if not client.check([k[1:] if k.startswith("/") else k])]
+        client.close()
+    finally:
+        server.stop()
+    assert not missing, f"keys written before the restart and absent from {state_dir}: {missing}"
+
+
 def test_a_master_whose_name_resolves_only_later_is_waited_for(hosts):
     cluster = hosts(nodes=3)
     result = cluster.run(job(STEPS=3), [(cues.After(0), faults.Unresolvable("master")),

@@ -5,6 +5,7 @@ runs the job, and asserts on every rank's record.
 """
 
 import os
+import re
 
 import pytest
 
@@ -41,8 +42,9 @@ def test_a_partition_ends_in_a_timeout_that_names_the_silent_rank(distlib_cluste
 
 
 def test_a_master_restarted_while_ranks_wait_in_init_fails_them_naming_it(distlib_cluster):
-    """A static job: node2 is held back, so ranks 0 and 1 wait in init for it; the master
-    restarts (empty) once the master service has seen both wait on the join keys."""
+    """The master restarted, static half: a job without agents (ranks 0 and 1 wait in init for
+    node2, held back) has nobody to wait the master out: the master restarts (empty) once it
+    has seen both wait on the join keys, and they fail naming it."""
     cluster = distlib_cluster(nodes=3)
     both_wait = cues.AllOf(cues.StoreOp("*join*", op="wait", node="node0"), cues.StoreOp("*join*", op="wait", node="node1"))
     result = cluster.run(train("--steps", "20", "--timeout", "60"), [(both_wait, faults.RestartMaster())],
@@ -50,18 +52,22 @@ def test_a_master_restarted_while_ranks_wait_in_init_fails_them_naming_it(distli
     result.assert_survivors_raised(("DistStoreError", "DistNetworkError"), naming="master:29500", victims=[2])
 
 
-def test_an_elastic_job_whose_master_restarts_empty_stops_every_node_naming_it(distlib_cluster):
-    """distlib-run --nnodes 2:3: the rounds live on the master service; one that comes back
-    without them is named, and every node stops (a master service must outlive the job)."""
+def test_an_elastic_job_whose_master_restarts_with_its_state_completes_in_the_same_round(distlib_cluster):
+    """The master restarted, elastic half: distlib-run --nnodes 2:3 keeps its rounds on the
+    master service, which journals them (keep_master_state: store-server --state-dir) and is
+    SIGKILLed and started again at rank 0's collective #50. The agents keep the ranks training
+    while it is away and go on in the same round once it is back: the job finishes with every
+    rank, no restart, and every node says how long the master was away."""
     cluster = distlib_cluster(nodes=3)
-    job = Job.launch(["train.py", "--steps", "100000", "--timeout", "20"], nnodes="2:3", max_restarts=3,
+    job = Job.launch(["train.py", "--steps", "300", "--timeout", "30"], nnodes="2:3", max_restarts=3,
                      rdzv_conf="keep_alive_interval=1,keep_alive_max_attempt=4,last_call_timeout=2")
-    result = cluster.run(job, [(cues.Collective(rank=0, n=50), faults.RestartMaster())], deadline=180)
-    result.assert_no_hang()
+    result = cluster.run(job, [(cues.Collective(rank=0, n=50), faults.RestartMaster())], deadline=180,
+                         keep_master_state=True)
+    result.assert_finished(world_size=3, restarts=0)
     for name in ("node0", "node1", "node2"):
-        host = result.hosts[name]
-        assert host.exit_code == 1, host.tail()
-        assert any("no longer holds run 'job'" in line for line in host.output), host.tail()
+        away = [line for line in result.hosts[name].output
+                if re.search(r"the rendezvous store \(TCPStore server .*\) was away for [\d.]+ s in round 0", line)]
+        assert away, f"{name} does not say the master was away:\n{result.hosts[name].tail()}"
 
 
 def test_init_waits_for_a_master_whose_name_resolves_late(distlib_cluster):

@@ -52,6 +52,14 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 {{- end -}}
 
 {{/*
+The claim that holds the master's state directory: master.persistence.existingClaim, else the
+chart's "<fullname>-master-state" (cut, as the master's name, to fit 63 characters).
+*/}}
+{{- define "distlib.master.stateClaim" -}}
+{{- .Values.master.persistence.existingClaim | default (printf "%s-master-state" (include "distlib.fullname" . | trunc 50 | trimSuffix "-")) -}}
+{{- end -}}
+
+{{/*
 The workers' Indexed Job and its headless Service (the same name). A pod's hostname is
 "<job name>-<index>" and must fit a DNS label (63): the prefix is cut to leave room for the
 "-workers-" suffix and the digits of the largest index.
