@@ -70,7 +70,7 @@ def _store_server(args: argparse.Namespace) -> int:
         return serve(args.host, args.port, Limits(max_key=args.max_key_bytes, max_value=args.max_value_bytes),
                      security=security, memory_budget=args.memory_budget_mb * 1024 * 1024,
                      client_limits=client_limits, state_dir=args.state_dir, sync=args.sync,
-                     compact_bytes=args.compact_mb << 20)
+                     compact_bytes=args.compact_mb << 20, lock_wait=args.lock_wait)
     except (JournalError, OSError) as exc:
         if args.state_dir is None and not isinstance(exc, JournalError):
             raise
@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--compact-mb", type=int, default=journal.COMPACT_BYTES >> 20,
                      help=f"with --state-dir: compact the journal into a snapshot once it passes this size and twice "
                           f"the last snapshot (default {journal.COMPACT_BYTES >> 20})")
+    srv.add_argument("--lock-wait", type=float, default=30.0, metavar="SECONDS",
+                     help="with --state-dir: how long to wait for another server holding DIR's lock to stop (a "
+                          "replacement pod started while the old one is on its way out) before refusing to start "
+                          "(default 30)")
     srv.add_argument("--ping", metavar="HOST:PORT",
                      help="health check: exit 0 iff a server answers at HOST:PORT, then exit")
     srv.add_argument("--timeout", type=float, default=5.0, help="seconds --ping waits (default 5)")

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -137,6 +138,34 @@ def test_a_second_server_on_the_same_directory_is_refused(tmp_path):
     finally:
         first.close()
     StoreServer("127.0.0.1", 0, security=OPEN, state_dir=str(tmp_path)).close()  # released: usable again
+
+
+def test_a_server_waits_for_the_lock_of_one_on_its_way_out(tmp_path, caplog):
+    """A replacement started while the old server is stopping (a deleted pod's successor) waits
+    for its lock instead of failing, and says so once."""
+    first = StoreServer("127.0.0.1", 0, security=OPEN, state_dir=str(tmp_path))
+    stopper = threading.Timer(0.5, first.close)
+    stopper.start()
+    try:
+        with caplog.at_level(logging.WARNING, "distlib.store.tcp.journal"):
+            started = time.monotonic()
+            second = StoreServer("127.0.0.1", 0, security=OPEN, state_dir=str(tmp_path), lock_wait=10)
+            waited = time.monotonic() - started
+        second.close()
+    finally:
+        stopper.join()
+    said = [r.getMessage() for r in caplog.records if "locked by another" in r.getMessage()]
+    assert len(said) == 1 and f"pid {os.getpid()}" in said[0], said
+    assert waited < 10, f"the second server waited {waited:.1f} s, past its lock wait, though the first stopped"
+
+
+def test_a_lock_held_past_the_wait_refuses_the_start_saying_how_long_it_waited(tmp_path):
+    first = StoreServer("127.0.0.1", 0, security=OPEN, state_dir=str(tmp_path))
+    try:
+        with pytest.raises(JournalError, match=r"\(pid \d+ holds .*lock\) after waiting 300ms"):
+            StoreServer("127.0.0.1", 0, security=OPEN, state_dir=str(tmp_path), lock_wait=0.3)
+    finally:
+        first.close()
 
 
 def journal_file(tmp_path) -> str:

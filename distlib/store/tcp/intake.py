@@ -146,15 +146,17 @@ class Intake:
             self.tls_handshakes = TlsHandshakes(self.admission, wake, name)
 
     def shutdown(self) -> None:
-        """Serving ends: stop the TLS thread, close every connection and the listeners, log the
-        last counts of refusals."""
+        """Serving ends: close the listeners first (a client that reconnects when its connection
+        closes is refused then, and waits for the next server, instead of being accepted by
+        this one on its way out), stop the TLS thread, close every connection, log the last
+        counts of refusals."""
+        self.close_listeners()
         if self.tls_handshakes is not None:
             self.tls_handshakes.close()
         for conn in list(self.conns.values()) + list(self.admitting.values()):
             self.close(conn, "server stopping", level=None)
         self.refusals.flush(final=True)
         self.connection_log.flush(final=True)
-        self.close_listeners()
 
     def close_listeners(self) -> None:
         self.listener.close()

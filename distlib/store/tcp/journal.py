@@ -74,7 +74,8 @@ class Journal:
     returns what to serve), then the loop appends frames to ``pending`` and calls
     ``commit()`` once per turn; ``close()`` at the end."""
 
-    def __init__(self, directory: str, sync: str = DEFAULT_SYNC, compact_bytes: int = COMPACT_BYTES):
+    def __init__(self, directory: str, sync: str = DEFAULT_SYNC, compact_bytes: int = COMPACT_BYTES,
+                 lock_wait: float = 0.0):
         if sync not in SYNC_MODES:
             raise ValueError(f"journal sync must be one of {', '.join(SYNC_MODES)}, not {sync!r}")
         self.directory = os.path.abspath(directory)
@@ -91,23 +92,40 @@ class Journal:
         self._fd = -1
         self._compactor: Optional[threading.Thread] = None
         os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = self._lock()
+        self._lock_fd = self._lock(lock_wait)
 
     # -- the lock ----------------------------------------------------------------------------------
 
-    def _lock(self) -> int:
+    def _lock(self, wait: float) -> int:
+        """The directory's lock, waiting up to ``wait`` seconds for a holder to let go: when a
+        pod is deleted, Kubernetes starts its replacement while the old server is still on its
+        way out, and on a node-local volume the new one would otherwise fail and be restarted
+        with a back-off."""
         path = os.path.join(self.directory, "lock")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        deadline = time.monotonic() + wait
+        said = False
+        while True:
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            finally:
+                if time.monotonic() < deadline:
+                    if not said:
+                        log.warning("state directory %s is locked by another distlib store-server (pid %s holds "
+                                    "%s): waiting up to %s for it to stop", self.directory, holder, path,
+                                    format_duration(wait))
+                        said = True
+                    time.sleep(0.1)
+                    continue
                 os.close(fd)
-            raise JournalError(f"state directory {self.directory} is in use by another distlib store-server "
-                               f"(pid {holder} holds {path}); two servers on one directory would corrupt its "
-                               f"journal") from None
+                waited = f" after waiting {format_duration(wait)}" if wait > 0 else ""
+                raise JournalError(f"state directory {self.directory} is in use by another distlib store-server "
+                                   f"(pid {holder} holds {path}){waited}; two servers on one directory would "
+                                   f"corrupt its journal") from None
+        if said:
+            log.warning("state directory %s: the other server let go of its lock; going on", self.directory)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd

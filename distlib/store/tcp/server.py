@@ -132,6 +132,7 @@ class StoreServer:
         state_dir: Optional[str] = None,
         sync: str = DEFAULT_SYNC,
         compact_bytes: int = COMPACT_BYTES,
+        lock_wait: float = 0.0,
     ):
         self.limits = limits or Limits()
         #: The state directory's journal (journal.py), replayed before the port is opened, so
@@ -139,7 +140,7 @@ class StoreServer:
         self.journal: Optional[Journal] = None
         image = None
         if state_dir is not None:
-            self.journal = Journal(state_dir, sync, compact_bytes)
+            self.journal = Journal(state_dir, sync, compact_bytes, lock_wait)
             try:
                 image = self.journal.recover()
             except BaseException:
@@ -483,13 +484,14 @@ class StoreServer:
 
 def serve(host: str, port: int, limits: Optional[Limits] = None, security: Optional[StoreSecurity] = None,
           memory_budget: int = MEMORY_BUDGET, client_limits: Optional[ClientLimits] = None,
-          state_dir: Optional[str] = None, sync: str = DEFAULT_SYNC, compact_bytes: int = COMPACT_BYTES) -> int:
+          state_dir: Optional[str] = None, sync: str = DEFAULT_SYNC, compact_bytes: int = COMPACT_BYTES,
+          lock_wait: float = 0.0) -> int:
     """Run the TCP master service in this thread until SIGTERM/SIGINT; return an exit code."""
     import signal
 
     server = StoreServer(host, port, limits=limits, log_connections=True, security=security,
                          memory_budget=memory_budget, client_limits=client_limits, state_dir=state_dir,
-                         sync=sync, compact_bytes=compact_bytes)
+                         sync=sync, compact_bytes=compact_bytes, lock_wait=lock_wait)
     if server.journal is not None:
         log.info("state directory %s: %s; compacted past %d MiB", server.journal.directory,
                  describe_sync(server.journal.sync), compact_bytes >> 20)
