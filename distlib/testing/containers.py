@@ -62,16 +62,6 @@ def _labels(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return {LABEL: "1", f"{LABEL}.pid": str(os.getpid()), f"{LABEL}.host": socket.gethostname(), **(extra or {})}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def sweep(client: Any) -> List[str]:
     """Remove the containers, networks and volumes of harnesses on this machine that are gone."""
     removed = []
@@ -81,7 +71,7 @@ def sweep(client: Any) -> List[str]:
         if labels.get(f"{LABEL}.host") != socket.gethostname():
             return False
         try:
-            return not _alive(int(labels.get(f"{LABEL}.pid", "")))
+            return not privilege.pid_alive(int(labels.get(f"{LABEL}.pid", "")))
         except ValueError:
             return False
 

@@ -108,16 +108,6 @@ def remove_netns(netns: str) -> None:
     privilege.run(["ip", "netns", "delete", netns], check=False)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def sweep() -> List[str]:
     """Remove the namespaces of harnesses that are gone (a crash, a kill -9 of pytest)."""
     code, out = privilege.run(["ip", "netns", "list"], check=False)
@@ -125,7 +115,7 @@ def sweep() -> List[str]:
     for line in out.splitlines() if code == 0 else []:
         name = line.split()[0] if line.split() else ""
         m = NAME.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not privilege.pid_alive(int(m.group(1))):
             remove_netns(name)
             removed.append(name)
     return removed

@@ -52,3 +52,15 @@ def run(argv: Sequence[str], check: bool = True, timeout: float = COMMAND_TIMEOU
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(full)} failed (exit {done.returncode}): {done.stdout.strip()[-500:]}")
     return done.returncode, done.stdout
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists, also when it is root's and this process may not signal it
+    (a sweep of what an earlier run left must not take another user's process for gone)."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
