@@ -96,6 +96,25 @@ def store_outage_timeout(env: Optional[Mapping[str, str]] = None) -> str:
     return text("DISTLIB_STORE_OUTAGE_TIMEOUT", "60", env)
 
 
+def store_reconnect_timeout(env: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """DISTLIB_STORE_RECONNECT_TIMEOUT (seconds): how long a distlib TCPStore client of a distlib
+    server reconnects after its connection dropped, where the code does not pass
+    ``reconnect_timeout``; None (unset) means the store timeout, 0 fails at once as torch's
+    client does. A process-wide knob for code that cannot reach the client, such as the store
+    ``init_process_group`` makes."""
+    value = text("DISTLIB_STORE_RECONNECT_TIMEOUT", "", env)
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"DISTLIB_STORE_RECONNECT_TIMEOUT={value!r}: expected seconds (a number >= 0; 0 turns "
+                         "reconnecting off)")
+    return seconds
+
+
 def external_store(env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether every rank is a client of a standing store service.
 

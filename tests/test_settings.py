@@ -151,3 +151,12 @@ def test_the_scan_finds_reads(tmp_path):
         "os.environ['DISTLIB_W'] = '1'\n")
     assert [name for _, name in _environment_reads(sample)] == [
         "DISTLIB_A", "DISTLIB_B", "DISTLIB_C", "DISTLIB_D", "DISTLIB_E"]
+
+
+def test_the_store_reconnect_timeout_is_read_and_bad_values_name_the_variable():
+    assert settings.store_reconnect_timeout({}) is None
+    assert settings.store_reconnect_timeout({"DISTLIB_STORE_RECONNECT_TIMEOUT": "0"}) == 0.0
+    assert settings.store_reconnect_timeout({"DISTLIB_STORE_RECONNECT_TIMEOUT": "2.5"}) == 2.5
+    for bad in ("-1", "soon", "nan"):
+        with pytest.raises(ValueError, match="DISTLIB_STORE_RECONNECT_TIMEOUT="):
+            settings.store_reconnect_timeout({"DISTLIB_STORE_RECONNECT_TIMEOUT": bad})

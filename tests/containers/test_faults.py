@@ -83,18 +83,20 @@ def test_worker_killed_during_a_large_all_reduce(containers):
 
 def test_master_service_killed_while_ranks_wait(containers):
     """3 of 4 ranks wait in init_process_group for a 4th that never comes; the master service
-    is SIGKILLed once all three say they wait: each rank fails quickly with an error naming
-    master:29500, no hang."""
+    is SIGKILLed once all three say they wait and never comes back: each rank tries to reconnect
+    for its reconnect window (DISTLIB_STORE_RECONNECT_TIMEOUT, 5 s here; the store timeout by
+    default), then fails with an error naming master:29500, long before the group timeout."""
     timeout = 120
     cluster = containers(3)
-    result = cluster.run(check("--timeout", timeout, WORLD_SIZE=WORLD, DISTLIB_RUN_ID="master-killed"), [
+    result = cluster.run(check("--timeout", timeout, WORLD_SIZE=WORLD, DISTLIB_RUN_ID="master-killed",
+                               DISTLIB_STORE_RECONNECT_TIMEOUT=5), [
         (cues.AllOf(*[cues.Output("waiting for ranks 3", node=f"node{n}") for n in range(3)]), faults.KillMaster()),
     ], deadline=90)  # far below the group timeout: the ranks must notice the master, not time out
     result.assert_no_hang()
     for r in range(3):
         m = line(result, f"node{r}", FAILED_LINE)
         assert m.group(3) in ("DistNetworkError", "DistStoreError"), m.group(0)
-        assert "master:29500" in m.group(4), m.group(0)
+        assert "master:29500" in m.group(4) and "could not reconnect within 5" in m.group(4), m.group(0)
 
 
 def test_container_cut_from_the_network(containers):

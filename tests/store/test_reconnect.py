@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -167,4 +168,19 @@ def test_reconnect_timeout_zero_fails_at_once_as_torch(server):
     server.stop()
     with pytest.raises(DistNetworkError, match="closed|Failed to"):
         store.add("n", 1)
+    store.close()
+
+
+def test_the_reconnect_window_comes_from_the_environment_where_the_code_passes_none(server, monkeypatch):
+    """init_process_group's store takes no reconnect_timeout: DISTLIB_STORE_RECONNECT_TIMEOUT is
+    the knob, and a master gone for good is named after that window, not the store timeout."""
+    monkeypatch.setenv("DISTLIB_STORE_RECONNECT_TIMEOUT", "0.5")
+    store = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=60), security=OPEN)
+    port = server.port
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(DistNetworkError, match=f"store 127.0.0.1:{port} during ADD and could not reconnect within "
+                                               "500ms"):
+        store.add("n", 1)
+    assert time.monotonic() - started < 10, "the client reconnected for longer than DISTLIB_STORE_RECONNECT_TIMEOUT"
     store.close()

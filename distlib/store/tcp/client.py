@@ -48,6 +48,7 @@ from datetime import timedelta
 from functools import partial
 from typing import List, Optional, Sequence
 
+from ... import settings
 from ...deadline import Deadline, TimeoutLike, as_seconds, format_duration
 from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
 from ...tls import TlsSocket
@@ -114,8 +115,9 @@ class TCPStore(RequestChannel, Store):
         self._local_ip: Optional[str] = None  # set while connected over the same-host socket
         self._ordered = False
         # distlib's own: how long a client of a distlib server reconnects after its connection
-        # dropped (default: the store timeout; 0: fail at once, as torch's client)
-        self._reconnect_s: Optional[float] = (None if reconnect_timeout is None  # None: the store timeout, as set
+        # dropped (default: DISTLIB_STORE_RECONNECT_TIMEOUT, else the store timeout; 0: fail at
+        # once, as torch's client)
+        self._reconnect_s: Optional[float] = (settings.store_reconnect_timeout() if reconnect_timeout is None
                                               else as_seconds(reconnect_timeout, "reconnect_timeout"))
         self._session = os.urandom(16)  # numbers its writes that a retry must not apply twice
         self._seq = 0
