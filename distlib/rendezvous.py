@@ -160,8 +160,12 @@ def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, time
         store: Store = TCPStore(hostname, port, world_size, False, timeout, wait_for_workers=wait_for_workers)
         prefix = identity.keys.store_prefix()
         return PrefixStore(prefix, store) if prefix else store
+    # A store that rank 0 hosts ends with rank 0's process, and nothing brings it back with its
+    # keys: its clients fail when it goes, as torch's do, instead of waiting for it to return
+    # (a master service is another matter: above). DISTLIB_STORE_RECONNECT_TIMEOUT still wins.
+    reconnect = settings.store_reconnect_timeout()
     return TCPStore(hostname, port, world_size, rank == 0, timeout, wait_for_workers=wait_for_workers,
-                    multi_tenant=True, use_libuv=_use_libuv(query))
+                    multi_tenant=True, use_libuv=_use_libuv(query), reconnect_timeout=reconnect or 0)
 
 
 def _rank_and_world_size(query: Dict[str, str], error: Callable[[str], ValueError],

@@ -102,7 +102,7 @@ def test_barrier_alternates_implementations_iteration_by_iteration(monkeypatch):
     calls = []
 
     class FakeServer:
-        def __init__(self, impl, use_libuv):
+        def __init__(self, impl, use_libuv, journal=None):
             self.impl = impl
 
         def __enter__(self):
