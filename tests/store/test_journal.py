@@ -16,6 +16,7 @@ import pytest
 
 from distlib.store.tcp import codec
 from distlib.store.tcp import journal_records as records
+from distlib.store.tcp import sequence
 from distlib.store.tcp.journal import JOURNAL_MAGIC, Journal, JournalError, journal_name, snapshot_name
 from distlib.store.tcp.security import StoreSecurity
 from distlib.store.tcp.server import StoreServer
@@ -292,13 +293,13 @@ def test_a_crash_at_any_step_of_compaction_recovers(tmp_path, step):
 
 
 def test_the_sequence_header_is_a_set_of_the_reserved_key():
-    assert codec.sequence_header(SESSION, 7) == codec.set_(codec.SEQUENCE_KEY, SESSION + struct.pack("<Q", 7))
-    assert codec.decode(codec.sequence_header(SESSION, 7), 0, codec.SEQUENCE_HEADER_BYTES, codec.Limits())[1] == \
+    assert sequence.sequence_header(SESSION, 7) == codec.set_(codec.SEQUENCE_KEY, SESSION + struct.pack("<Q", 7))
+    assert codec.decode(sequence.sequence_header(SESSION, 7), 0, sequence.SEQUENCE_HEADER_BYTES, codec.Limits())[1] == \
         (codec.SEQUENCE_KEY, SESSION + struct.pack("<Q", 7))
 
 
 def sequenced(seq: int, request: bytes, session: bytes = SESSION) -> bytes:
-    return codec.sequence_header(session, seq) + request
+    return sequence.sequence_header(session, seq) + request
 
 
 ADD_S, CAS_S, APPEND_S = b"A" * 16, b"C" * 16, b"P" * 16

@@ -15,7 +15,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from distlib.store.tcp import codec  # noqa: E402
+from distlib.store.tcp import codec, sequence  # noqa: E402
 from distlib.store.tcp.budget import MEMORY_BUDGET, ClientLimits  # noqa: E402
 from distlib.store.tcp.codec import Limits  # noqa: E402
 from distlib.store.tcp.connection import Connection  # noqa: E402
@@ -133,7 +133,7 @@ def test_replay_after_a_crash_at_any_byte_equals_the_model(tmp_path_factory, ops
         raw = request(op)
         if numbered and op[0] in SEQUENCED:
             seq += 1
-            raw = codec.sequence_header(SESSION, seq) + raw
+            raw = sequence.sequence_header(SESSION, seq) + raw
         reply = server.turn(raw)
         model_apply(data, queues, op)
         turns.append((server.journal.number, server.journal.size, (dict(data), {k: list(v) for k, v in queues.items()}),
@@ -152,14 +152,14 @@ def test_replay_after_a_crash_at_any_byte_equals_the_model(tmp_path_factory, ops
         expected = survived[-1][2] if survived else ({}, {})
         assert restarted.state() == expected, (f"after a crash at byte {offset} of {size}, {len(survived)} of "
                                                f"{len(turns)} turns survived; the replayed state differs")
-        numbered_turns = [t for t in turns if t[3].startswith(codec.SEQUENCE_PREFIX)]
+        numbered_turns = [t for t in turns if t[3].startswith(sequence.SEQUENCE_PREFIX)]
         done = [t for t in numbered_turns if t in survived]
         if done:  # the last numbered write that reached the disk, re-sent: same reply, not applied again
             last = done[-1]
             assert restarted.turn(last[3]) == last[4], "a re-sent write got another reply than the first time"
             assert restarted.state() == expected, "a re-sent write that had reached the disk was applied again"
         lost = [t for t in turns[len(survived):]]
-        if lost and lost[0][3].startswith(codec.SEQUENCE_PREFIX):  # the write in flight, lost: applied once
+        if lost and lost[0][3].startswith(sequence.SEQUENCE_PREFIX):  # the write in flight, lost: applied once
             assert restarted.turn(lost[0][3]) == lost[0][4]
             assert restarted.state() == lost[0][2], "a re-sent write that the crash lost was not applied once"
     finally:

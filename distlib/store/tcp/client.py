@@ -53,7 +53,7 @@ from ...deadline import Deadline, TimeoutLike, as_seconds, format_duration
 from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
 from ...tls import TlsSocket
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
-from . import codec
+from . import codec, sequence
 from .client_channel import ConnectionLost, RequestChannel, WaitTimedOut, close_socket
 from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WORKER_COUNTER_KEY
 from .connect import describe_socket, format_endpoint
@@ -71,7 +71,7 @@ _encode_wait_then_get = codec.wait_then_get
 _encode_add = codec.add
 _encode_check = codec.check
 _encode_wait = codec.wait
-_sequence_header = codec.sequence_header
+_sequence_header = sequence.sequence_header
 
 
 # -- the client --------------------------------------------------------------------------------
@@ -138,13 +138,13 @@ class TCPStore(RequestChannel, Store):
         if world_size is not None and wait_for_workers:
             with self._lock:
                 data = self._numbered(codec.add(WORKER_COUNTER_KEY, 1))
-                try:
+                try:  # (the count it answers is the master's to wait on: below)
                     self._send(data)
-                    joined = self._read_i64("ADD init/")
+                    self._read_i64("ADD init/")
                 except ConnectionLost as exc:
-                    joined = self._resume(exc, "ADD init/", data, partial(self._read_i64, "ADD init/"))
+                    self._resume(exc, "ADD init/", data, partial(self._read_i64, "ADD init/"))
             if self._server is not None:
-                self._wait_for_workers(world_size, joined, deadline)
+                self._server.wait_for_workers(world_size, deadline)
 
     # -- properties ------------------------------------------------------------------------------
 
@@ -267,20 +267,6 @@ class TCPStore(RequestChannel, Store):
             log.warning("reconnected to the store %s after %s; %s resumed", where,
                         format_duration(deadline.elapsed()), what)
             return result
-
-    def _wait_for_workers(self, world_size: int, joined: int, deadline: Deadline) -> None:
-        assert self._server is not None, "called where this handle hosts the server"
-        server = self._server.server
-        server.wait_for_workers(world_size, deadline)
-        if server.workers_joined >= world_size:
-            return
-        peers = ", ".join(server.worker_peers) or "nobody"
-        raise DistStoreError(
-            f"Timed out after {int(round(deadline.elapsed()))} seconds waiting for clients. "
-            f"{server.workers_joined}/{world_size} clients joined. "
-            f"(TCPStore master on port {self._port}; joined from: {peers}. The missing clients never "
-            f"connected: check that they were started with this host and port and can reach it.)"
-        )
 
     def close(self) -> None:
         """Close this client's connection (and stop the server if this object owns it last)."""

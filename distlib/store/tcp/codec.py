@@ -558,17 +558,6 @@ def request_end(buf, pos: int, end: int, limits: Limits) -> int:
     return r
 
 
-#: What every sequence header starts with (its opcode, key and value length), and its length.
-SEQUENCE_PREFIX = bytes([Op.SET]) + U64.pack(len(SEQUENCE_KEY)) + SEQUENCE_KEY + U64.pack(24)
-SEQUENCE_HEADER_BYTES = len(SEQUENCE_PREFIX) + 24
-
-
-def sequence_header(session: bytes, seq: int) -> bytes:
-    """The SET that numbers the write sent right after it (``SEQUENCE_KEY``): the SET's bytes,
-    its fixed start precomputed (a numbered write pays this on every call)."""
-    return SEQUENCE_PREFIX + session + U64.pack(seq)
-
-
 # -- the requests clients send, by name ----------------------------------------------------------
 #
 # The client (client.py) and the handshake build every request with these (ENCODERS' entries).

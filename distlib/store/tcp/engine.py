@@ -32,11 +32,11 @@ from typing import Callable, List, Optional
 
 from . import codec
 from .budget import ClientLimits, MemoryBudget
-from .codec import (MANY_KEY_OPS, SEQUENCE_HEADER_BYTES, SEQUENCE_PREFIX, STOP_WAITING, U64, Limits, ManyScan, Op,
-                    ProtocolError)
+from .codec import MANY_KEY_OPS, STOP_WAITING, U64, Limits, ManyScan, Op, ProtocolError
 from .connection import Connection
 from .handlers import CloseConnection, Handlers
 from .journal import Journal
+from .sequence import SEQUENCE_HEADER_BYTES, SEQUENCE_PREFIX
 from .journal_records import Image
 from .journaled_state import JournaledState
 from .observe import Observer, observed_table

@@ -20,7 +20,8 @@ import socket
 import threading
 from typing import Dict, Optional
 
-from ...errors import DistNetworkError
+from ...deadline import Deadline
+from ...errors import DistNetworkError, DistStoreError
 from ...net import bind_for_clients
 from .security import StoreSecurity
 from .server import StoreServer
@@ -40,6 +41,21 @@ class InProcessServer:
         self.multi_tenant = multi_tenant
         self.owners = 0
         self.lock = threading.Lock()
+
+    def wait_for_workers(self, world_size: int, deadline: Deadline) -> None:
+        """The master's wait for ``world_size`` clients (wait_for_workers=True): the error names
+        the peers that joined, since the missing ones never connected."""
+        server = self.server
+        server.wait_for_workers(world_size, deadline)
+        if server.workers_joined >= world_size:
+            return
+        peers = ", ".join(server.worker_peers) or "nobody"
+        raise DistStoreError(
+            f"Timed out after {int(round(deadline.elapsed()))} seconds waiting for clients. "
+            f"{server.workers_joined}/{world_size} clients joined. "
+            f"(TCPStore master on port {server.port}; joined from: {peers}. The missing clients never "
+            f"connected: check that they were started with this host and port and can reach it.)"
+        )
 
     def acquire(self) -> None:
         with self.lock:
