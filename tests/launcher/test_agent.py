@@ -302,7 +302,9 @@ def test_sigterm_to_the_launcher_stops_its_workers(tmp_path, mode):
 
 #: Given a directory, rank 0 waits there for the test's "go" between its partial line and the
 #: rest (the test gives it once the console showed the partial line on its own), and rank 1 for
-#: rank 0's "done" before it writes: the order the test needs, observed, not slept for.
+#: the test's "done", given once the console showed rank 0's whole line: the order the test
+#: needs, observed on the console, not slept for. (A file rank 0 wrote after its line would say
+#: the line reached rank 0's pipe, not the console: rank 1's pump could pass its line on first.)
 OUTPUT = textwrap.dedent("""
     import os, sys, time
     r = os.environ["LOCAL_RANK"]
@@ -324,8 +326,6 @@ OUTPUT = textwrap.dedent("""
             await_file("go")
         sys.stderr.write(" continued\\n")
         sys.stderr.flush()
-        if d:
-            open(os.path.join(d, "done"), "w").close()
     else:
         if d:
             await_file("done")
@@ -343,6 +343,8 @@ def test_output_lines_carry_the_rank_and_stay_on_their_stream(tmp_path):
         err.wait_for("[rank0]: err 0 partial", 30)
         assert "continued" not in err.text  # rank 0 is still waiting for the go
         (tmp_path / "go").touch()
+        err.wait_for("[rank0]: err 0 partial continued\n", 30)
+        (tmp_path / "done").touch()
         proc.wait(timeout=60)  # (stderr is StreamText's to read, so no communicate())
         out = proc.stdout.read()
     finally:
