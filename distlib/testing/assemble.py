@@ -53,6 +53,7 @@ def build_result(run: Any, started: float, ended: float) -> Result:
             rec.last_collective = (e.data["n"], e.data["op"])
         elif e.kind == "exception":
             rec.exception_type, rec.exception_text, rec.exception_time = e.data["type"], e.data["text"], e.t
+            rec.exception_bases = list(e.data.get("bases", ()))
         elif e.kind == "exit":
             rec.exited_cleanly = rec.exception_type is None
     for e in events:  # store operations: by the host the cluster named for them (its rank's)

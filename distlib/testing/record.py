@@ -41,6 +41,8 @@ class RankRecord:
     restarts: List[int] = field(default_factory=list)
     world_sizes: List[int] = field(default_factory=list)
     exception_type: Optional[str] = None
+    #: the names of the classes ``exception_type`` derives from (e.g. DistStoreError, DistError)
+    exception_bases: List[str] = field(default_factory=list)
     exception_text: Optional[str] = None
     exception_time: Optional[float] = None
     collectives: int = 0
@@ -69,10 +71,11 @@ class RankRecord:
         return f"rank {self.rank} on {self.host}: {self.ended}; last {last}"
 
 
-def _matches(exc_type: Optional[str], spec: ExceptionSpec) -> bool:
+def _matches(rec: "RankRecord", spec: ExceptionSpec) -> bool:
+    """Whether the rank's exception is one of ``spec`` or derives from one, as ``except`` reads it."""
     specs = spec if isinstance(spec, tuple) else (spec,)
     names = [s if isinstance(s, str) else s.__name__ for s in specs]
-    return exc_type is not None and exc_type in names
+    return rec.exception_type is not None and any(n in names for n in [rec.exception_type] + rec.exception_bases)
 
 
 def naming_pattern(naming: Union[None, int, str, Pattern[str]]) -> Optional[Pattern[str]]:
@@ -151,14 +154,14 @@ class Result:
     def assert_survivors_raised(self, exception: ExceptionSpec, naming: Union[None, int, str, Pattern[str]] = None,
                                 within: Optional[float] = None, victims: Iterable[int] = ()) -> "Result":
         """Every rank but ``victims`` raised ``exception`` (a class or its name, or a tuple of
-        them) whose text matches ``naming`` (an int r: "rank r"), within ``within`` seconds of
+        them; a subclass counts, as ``except`` reads it) whose text matches ``naming`` (an int r: "rank r"), within ``within`` seconds of
         the last fault."""
         self.assert_no_hang()
         pattern = naming_pattern(naming)
         t0 = self.fault_time() if within is not None else 0.0
         wrong = []
         for rec in self.survivors(victims):
-            if not _matches(rec.exception_type, exception):
+            if not _matches(rec, exception):
                 wrong.append(f"rank {rec.rank} {rec.ended}")
             elif pattern is not None and not pattern.search(rec.exception_text or ""):
                 wrong.append(f"rank {rec.rank}'s {rec.exception_type} does not name {pattern.pattern!r}: "

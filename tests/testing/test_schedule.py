@@ -95,3 +95,14 @@ def test_the_survivor_assertion_names_the_rank_that_was_wrong():
         wrong.assert_survivors_raised("DistBackendError", naming=2)
     assert "rank 0's DistBackendError does not name" in str(info.value)
     assert "rank 1 raised RuntimeError: boom" in str(info.value)
+
+
+def test_a_subclass_of_the_expected_exception_counts_as_except_reads_it():
+    """A rank that raised StoreStateLost (a DistStoreError) satisfies an assertion on
+    DistStoreError, and on DistError; not one on DistNetworkError."""
+    res = _result({0: ("StoreStateLost", "the store master:29500 came back without the keys it held", 1.0)})
+    res.ranks[0].exception_bases = ["DistStoreError", "DistError", "RuntimeError", "Exception", "BaseException"]
+    res.assert_survivors_raised("DistStoreError", naming="master:29500")
+    res.assert_survivors_raised(("DistNetworkError", "DistError"))
+    with pytest.raises(AssertionError, match="rank 0 raised StoreStateLost"):
+        res.assert_survivors_raised("DistNetworkError")

@@ -100,7 +100,8 @@ def _int(text, default):
 
 def _report_exception(agent, previous):
     def hook(kind, value, tb):
-        agent.send({"kind": "exception", "type": kind.__name__, "text": str(value)[:4000]})
+        agent.send({"kind": "exception", "type": kind.__name__, "text": str(value)[:4000],
+                    "bases": [c.__name__ for c in kind.__mro__[1:] if c is not object]})
         previous(kind, value, tb)
     return hook
 
