@@ -17,6 +17,7 @@ import pytest
 from distlib.store.tcp import codec
 from distlib.store.tcp import journal_records as records
 from distlib.store.tcp import sequence
+from distlib.store.tcp.incarnation import INCARNATION_KEY
 from distlib.store.tcp.journal import JOURNAL_MAGIC, Journal, JournalError, journal_name, snapshot_name
 from distlib.store.tcp.security import StoreSecurity
 from distlib.store.tcp.server import StoreServer
@@ -276,7 +277,7 @@ def test_a_crash_at_any_step_of_compaction_recovers(tmp_path, step):
     journal.commit()
     journal.close()
     snap = os.path.join(tmp_path, snapshot_name(1))
-    assert sorted(os.listdir(tmp_path)) == [journal_name(2), "lock", snapshot_name(1)]
+    assert sorted(os.listdir(tmp_path)) == ["incarnation", journal_name(2), "lock", snapshot_name(1)]
     if step != "covered-deleted":  # the crash came before the covered journal was deleted ...
         with open(first, "wb") as fh:
             fh.write(covered)
@@ -386,3 +387,56 @@ def test_a_journal_that_cannot_be_written_stops_the_server_without_a_reply(tmp_p
     assert raw.sock.recv(8) == b"", "a change that could not be journaled was answered"
     server.stop()
     assert server.failed == "journal write failed: No space left on device"
+
+
+def incarnation_of(port: int) -> bytes:
+    raw = Raw(port)
+    try:
+        return raw.get(INCARNATION_KEY)
+    finally:
+        raw.sock.close()
+
+
+def test_the_incarnation_lives_as_long_as_the_directory_s_state(tmp_path):
+    """A GET of the reserved key answers the state's 16 bytes without storing a key: the same
+    after a restart on the same directory, a new one on a wiped directory and on every start
+    without a directory (what a reconnecting client compares: client.py)."""
+    server = serve(tmp_path / "state")
+    first = incarnation_of(server.port)
+    raw = Raw(server.port)
+    raw.send(codec.getnumkeys())
+    assert raw.i64() == 0, "asking the incarnation stored a key"
+    raw.sock.close()
+    server.stop()
+    assert len(first) == 16
+    server = serve(tmp_path / "state")
+    assert incarnation_of(server.port) == first, "a restart on the same state directory changed the incarnation"
+    server.stop()
+    for name in os.listdir(tmp_path / "state"):
+        os.unlink(tmp_path / "state" / name)
+    server = serve(tmp_path / "state")
+    wiped = incarnation_of(server.port)
+    server.stop()
+    assert wiped != first and len(wiped) == 16, "a wiped state directory kept the old incarnation"
+    plain = [StoreServer("127.0.0.1", 0, security=OPEN).start() for _ in range(2)]
+    seen = [incarnation_of(s.port) for s in plain]
+    for s in plain:
+        s.stop()
+    assert seen[0] != seen[1] and all(len(x) == 16 for x in seen), seen
+
+
+def test_a_directory_from_before_incarnations_gets_one_and_keeps_it(tmp_path):
+    server = serve(tmp_path)
+    raw = Raw(server.port)
+    raw.send(codec.set_(b"/k", b"v") + codec.getnumkeys())
+    assert raw.i64() == 1  # (the SET ran: the reply after it came)
+    raw.sock.close()
+    server.stop()
+    os.unlink(tmp_path / "incarnation")  # as a directory written before this file existed
+    server = serve(tmp_path)
+    given = incarnation_of(server.port)
+    assert Raw(server.port).get(b"/k") == b"v"
+    server.stop()
+    server = serve(tmp_path)
+    assert incarnation_of(server.port) == given
+    server.stop()

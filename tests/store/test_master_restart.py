@@ -6,15 +6,18 @@ end in another (the clients are processes: tests/store/restart_client.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import List
 
 import pytest
 
+from distlib.errors import DistStoreError
 from distlib.store.tcp import TCPStore
 from distlib.store_service import StoreServerProcess
 
@@ -144,3 +147,74 @@ def test_init_process_group_of_4_ranks_completes_across_the_restart(master, tmp_
     assert sums == ["10"] * 4, f"all_reduce after the restart gave {sums} (rank order), 10 each expected"
     for rank in range(3):
         outage_lines(tmp_path, "rank", rank, port)
+
+
+
+def test_a_master_back_without_its_state_fails_its_waiting_clients_at_once(tmp_path):
+    """A master restarted without --state-dir serves a new, empty state: a client waiting on a
+    key (timeout 120 s, reconnecting for as long) fails as soon as it is back, naming the
+    master and saying its keys are gone, instead of waiting out its timeout for them."""
+    server = StoreServerProcess("127.0.0.1", log_path=str(tmp_path / "master.log"), log_level="INFO",
+                                env=_env()).start()
+    port = server.port
+    said = _Said()
+    logging.getLogger("distlib.store.tcp.client").addHandler(said)
+    try:
+        client = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=120))
+        client.set("written-before", b"1")
+        errors: List[BaseException] = []
+        waiter = threading.Thread(target=_wait_for_key, args=(client, errors), daemon=True)
+        waiter.start()
+        until(lambda: client.ordered_waits and waiter.is_alive(), "the client's WAIT")
+        server.kill()
+        until(lambda: said.has(f"lost the connection to the store 127.0.0.1:{port} during WAIT"),
+              "the client's line saying it reconnects")
+        server.start()
+        back = time.monotonic()
+        waiter.join(60)
+        assert not waiter.is_alive(), "the client still waits for a key of the master's lost state"
+        took = time.monotonic() - back
+        assert errors and isinstance(errors[0], DistStoreError), f"the wait ended with {errors!r}"
+        text = str(errors[0])
+        assert type(errors[0]).__name__ == "StoreStateLost", text
+        assert f"127.0.0.1:{port}" in text and "came back without the keys it held" in text, text
+        assert "during WAIT" in text and "--state-dir" in text, text
+        assert took < 30, f"the client failed {took:.1f} s after the master was back, not at once"
+        assert not said.has("reconnected to the store"), "the client said it resumed on an empty master"
+    finally:
+        logging.getLogger("distlib.store.tcp.client").removeHandler(said)
+        server.stop()
+
+
+def test_a_master_back_with_its_state_keeps_its_incarnation(tmp_path, master):
+    """The same state directory is the same state: a client that reconnects goes on."""
+    port = master.port
+    client = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+    client.set("k", b"v")
+    first = client._incarnation
+    master.kill()
+    master.start()
+    assert client.get("k") == b"v"
+    assert first is not None and len(first) == 16 and client._incarnation == first
+    client.close()
+
+
+class _Said(logging.Handler):
+    """The log lines of the clients of this process, as they come."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def has(self, words: str) -> bool:
+        return any(words in line for line in list(self.lines))
+
+
+def _wait_for_key(client: TCPStore, errors: List[BaseException]) -> None:
+    try:
+        client.wait(["never-set"])
+    except BaseException as exc:  # noqa: BLE001 - the test reads what ended the wait
+        errors.append(exc)

@@ -17,6 +17,7 @@ import pytest
 from distlib import DistError, DistNetworkError, DistStoreError
 from distlib.store.tcp import TCPStore
 from distlib.store.tcp import codec as proto
+from distlib.store.tcp.incarnation import INCARNATION_KEY
 
 from .append_order import TRIES, slow_thread_switches, stale_reads  # noqa: F401 - a fixture
 from .scripted_server import ScriptedServer
@@ -33,6 +34,11 @@ def u64(n):
 
 def blob(b):
     return u64(len(b)) + b
+
+
+#: A client that reconnects asks a distlib server's incarnation (incarnation.py) in its handshake.
+ASK_INCARNATION = b"\x03" + u64(len(INCARNATION_KEY)) + INCARNATION_KEY
+AN_INCARNATION = u64(16) + b"\x5a" * 16
 
 
 def short(seconds=5.0):
@@ -96,6 +102,7 @@ def test_set_and_get_against_a_torch_server_use_torchs_sequence():
 def test_get_against_a_distlib_server_is_one_round_trip():
     server = ScriptedServer([
         ("expect", HANDSHAKE), ("send", DISTLIB_SERVER_HELLO),
+        ("expect", ASK_INCARNATION), ("send", AN_INCARNATION),
         ("expect", b"\x06" + u64(1) + blob(b"/k1") + b"\x03" + blob(b"/k1")),
         ("send", b"\x00" + blob(b"v1")),
     ])
@@ -153,6 +160,7 @@ def test_cancel_race_with_a_pipelined_get_returns_the_value():
     """On a distlib server the GET queued behind the WAIT answers between 00 and 01."""
     server = ScriptedServer([
         ("expect", HANDSHAKE), ("send", DISTLIB_SERVER_HELLO),
+        ("expect", ASK_INCARNATION), ("send", AN_INCARNATION),
         ("expect", b"\x06" + u64(1) + blob(b"/k") + b"\x03" + blob(b"/k")),
         ("silence", 0.15),
         ("expect", b"\x0c"), ("send", b"\x00" + blob(b"just in time") + b"\x01"),

@@ -50,15 +50,14 @@ from typing import List, Optional, Sequence
 
 from ... import settings
 from ...deadline import Deadline, TimeoutLike, as_seconds, format_duration
-from ...errors import DistNetworkError, DistStoreError, QueueEmptyError
-from ...tls import TlsSocket
+from ...errors import DistStoreError, QueueEmptyError
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
 from . import codec, sequence
-from .client_channel import ConnectionLost, RequestChannel, WaitTimedOut, close_socket
+from .client_channel import ConnectionLost, WaitTimedOut, close_socket
 from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WORKER_COUNTER_KEY
 from .connect import describe_socket, format_endpoint
-from .handshake import NotAStoreServer, StoreRefused, open_connection
 from .in_process import InProcessServer, serves_here, start_server
+from .reconnecting import ReconnectingChannel
 from .security import StoreSecurity
 
 log = logging.getLogger("distlib.store.tcp.client")
@@ -77,7 +76,7 @@ _sequence_header = sequence.sequence_header
 # -- the client --------------------------------------------------------------------------------
 
 
-class TCPStore(RequestChannel, Store):
+class TCPStore(ReconnectingChannel, Store):
     """A store served over TCP by a master (torch.distributed.TCPStore)."""
 
     def __init__(
@@ -112,15 +111,11 @@ class TCPStore(RequestChannel, Store):
         self._use_libuv = bool(use_libuv)
         self._world_size = world_size
         self._lock = threading.Lock()
-        self._local_ip: Optional[str] = None  # set while connected over the same-host socket
-        self._ordered = False
         # distlib's own: how long a client of a distlib server reconnects after its connection
         # dropped (default: DISTLIB_STORE_RECONNECT_TIMEOUT, else the store timeout; 0: fail at
-        # once, as torch's client)
-        self._reconnect_s: Optional[float] = (settings.store_reconnect_timeout() if reconnect_timeout is None
-                                              else as_seconds(reconnect_timeout, "reconnect_timeout"))
-        self._session = os.urandom(16)  # numbers its writes that a retry must not apply twice
-        self._seq = 0
+        # once, as torch's client; reconnecting.py)
+        self._init_reconnecting(settings.store_reconnect_timeout() if reconnect_timeout is None
+                                else as_seconds(reconnect_timeout, "reconnect_timeout"))
         self._server: Optional[InProcessServer] = None
         self._server_finalizer: Optional[weakref.finalize] = None
         deadline = Deadline(self._timeout_s)
@@ -185,88 +180,6 @@ class TCPStore(RequestChannel, Store):
     def __repr__(self) -> str:
         server = f"TCPServer(port={self._server.server.port})" if self._server is not None else "<nullptr>"
         return f"TCPStore(client=TCPClient(SocketImpl({describe_socket(self._sock)})), server={server})"
-
-    # -- connection ------------------------------------------------------------------------------
-
-    def _connect(self, deadline: Deadline, quiet: bool = False) -> None:
-        """Connect and pass every step the server and this client's settings ask for (the
-        same-host socket or TCP, TLS, the token, the TCPStore handshake: handshake.py)."""
-        opened = open_connection(self._host, self._port, deadline, self._security, quiet)
-        sock = opened.sock
-        self._local_ip = opened.local_ip
-        self._ordered = opened.ordered
-        sock.setblocking(False)
-        if opened.tls:
-            sock = TlsSocket(sock, drain=False)  # poll(2) is level-triggered: no read to prove "drained"
-        self._attach(sock)
-        # A client of a distlib server (not one on a thread of this process: that one cannot
-        # come back) reconnects when its connection drops, and numbers its writes.
-        if self._unacked is None and opened.ordered and self._reconnect_window() > 0 and not self._in_process:
-            self._unacked = []
-
-    # -- reconnecting ----------------------------------------------------------------------------
-
-    def _reconnect_window(self) -> float:
-        """How long to reconnect: ``reconnect_timeout``, else the store timeout (as set now)."""
-        return self._timeout_s if self._reconnect_s is None else self._reconnect_s
-
-    def _numbered(self, data: bytes) -> bytes:
-        """``data`` (a write a retry must not apply twice) behind its sequence header, for a
-        client that reconnects; else ``data`` as it is (a torch server, or reconnect off)."""
-        if self._unacked is None:
-            return data
-        self._seq += 1
-        return _sequence_header(self._session, self._seq) + data
-
-    def _resume(self, lost: DistNetworkError, what: str, data: bytes = b"", read=None):
-        """The connection dropped under ``what``: reconnect (same address, the name resolved
-        again, TLS and the token again) within ``reconnect_timeout``, send again the requests
-        without reply the server may not have run and ``data`` (a numbered write keeps its
-        number: the server answers it without applying it twice), and return ``read()``.
-        Logs one line when it starts and one when it is back. Raises ``lost`` itself for a
-        client that does not reconnect (a torch server, ``reconnect_timeout=0``)."""
-        if self._unacked is None:
-            raise lost
-        where = format_endpoint(self._host, self._port)
-        window = self._reconnect_window()
-        deadline = Deadline(window)
-        log.warning("lost the connection to the store %s during %s (%s); reconnecting for at most %s",
-                    where, what, lost, format_duration(window))
-        closed = 0
-        while True:
-            self._finalizer()
-            try:
-                self._connect(deadline, quiet=True)
-            except DistNetworkError as exc:
-                if isinstance(exc, (NotAStoreServer, StoreRefused)):
-                    raise
-                raise DistNetworkError(f"lost the connection to the store {where} during {what} and could not "
-                                       f"reconnect within {format_duration(window)} (reconnect_timeout): {exc}") from lost
-            finally:
-                self._finalizer = weakref.finalize(self, close_socket, self._sock)
-            if not self._ordered:
-                raise DistNetworkError(f"lost the connection to the store {where} during {what}; it came back as a "
-                                       f"server that cannot tell a re-sent write from a new one (a torch server): "
-                                       f"not re-sending it") from lost
-            try:
-                resend = b"".join(self._unacked) + data
-                if resend:
-                    self._send(resend)
-                result = read() if read is not None else None
-            except ConnectionLost as again:
-                closed += 1
-                if closed >= 2:  # not a restart: the server refuses this request
-                    raise DistNetworkError(f"{where} closed the connection each time {what} was re-sent after "
-                                           f"reconnecting ({closed} times): the server refuses the request (its "
-                                           f"log says why)") from again
-                if deadline.expired():
-                    raise DistNetworkError(f"lost the connection to the store {where} during {what} and could not "
-                                           f"get it answered within {format_duration(window)} (reconnect_timeout): "
-                                           f"{again}") from lost
-                continue
-            log.warning("reconnected to the store %s after %s; %s resumed", where,
-                        format_duration(deadline.elapsed()), what)
-            return result
 
     def close(self) -> None:
         """Close this client's connection (and stop the server if this object owns it last)."""

@@ -35,6 +35,7 @@ from .budget import ClientLimits, MemoryBudget
 from .codec import MANY_KEY_OPS, STOP_WAITING, U64, Limits, ManyScan, Op, ProtocolError
 from .connection import Connection
 from .handlers import CloseConnection, Handlers
+from .incarnation import new_incarnation
 from .journal import Journal
 from .sequence import SEQUENCE_HEADER_BYTES, SEQUENCE_PREFIX
 from .journal_records import Image
@@ -83,7 +84,10 @@ class RequestEngine:
         else:  # every change also journaled (journaled_state.py), starting from what was replayed
             self.state = JournaledState(journal, image or Image(), *state_args)  # type: ignore[arg-type]
         self.budget = MemoryBudget(memory_budget, self.state)
-        self.handlers = Handlers(self.state, limits, on_worker)  # type: ignore[arg-type]  # (its conns: ours)
+        #: Which state this is (incarnation.py): the journal's, else a new one for this process.
+        self.incarnation = journal.incarnation if journal is not None else new_incarnation()
+        self.handlers = Handlers(self.state, limits, on_worker,  # type: ignore[arg-type]  # (its conns: ours)
+                                 self.incarnation)
         # One entry per opcode byte: parse the request at buf[pos:end] and run it; return the
         # offset after it, or -need when it has not fully arrived.
         self._ops = self.handlers.table()

@@ -22,7 +22,8 @@ its log (the protocol has no error reply, and torch's servers do the same).
 Server-side rules beyond the state's (docs/wire-protocol.md): GET or MULTI_GET of a missing
 key answers an empty value and keeps the connection (as libuv; legacy closes it); a CHECK of
 ``ORDERED_WAIT_PROBE_KEY`` alone answers READY without storing anything (the ordered-wait
-capability, codec.py); an ADD on the worker counter ``init/`` is reported to
+capability, codec.py); a GET of ``INCARNATION_KEY``, a key never stored, answers the
+server's incarnation (incarnation.py); an ADD on the worker counter ``init/`` is reported to
 ``on_worker`` (the in-process master counts its workers with it).
 """
 
@@ -53,6 +54,7 @@ from .codec import (
     read_pairs,
     read_u32,
 )
+from .incarnation import INCARNATION_KEY
 from .state import KeyValueState
 
 _STOP = bytes([STOP_WAITING])
@@ -78,8 +80,11 @@ class CloseConnection(Exception):
 class Handlers:
     """The parse-and-run functions of one server, bound to its state and limits."""
 
-    def __init__(self, state: KeyValueState, limits: Limits, on_worker: Callable[[object, int], None]):
+    def __init__(self, state: KeyValueState, limits: Limits, on_worker: Callable[[object, int], None],
+                 incarnation: bytes = b""):
         self.state = state
+        #: The answer to a GET of INCARNATION_KEY (incarnation.py).
+        self._incarnation = U64.pack(len(incarnation)) + incarnation
         self.limits = limits
         self.on_worker = on_worker
         self._get = state.data.get  # GET and MULTI_GET read the data directly (state.py allows it)
@@ -184,7 +189,7 @@ class Handlers:
         if r >= 0:
             value = self._get(key)
             if value is None:
-                conn.out.append(_EMPTY_BLOB)
+                conn.out.append(self._incarnation if key == INCARNATION_KEY else _EMPTY_BLOB)
             else:
                 n = len(value)
                 if n <= COPY_MAX:

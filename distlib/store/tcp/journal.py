@@ -5,6 +5,8 @@ compacted into a snapshot in the background.
 Why: a master that is restarted (a pod rescheduled, the process OOM-killed) should come back
 with the keys its jobs wrote, so that the jobs go on (issue 36). What is in DIR:
 
+* ``incarnation``: 16 random bytes naming this directory's state (incarnation.py), made when
+  the state is new; a client that reconnects checks it.
 * ``lock``: held (flock) by the one server that uses DIR, with its pid; a second server is
   refused, since two writers would interleave their records.
 * ``journal-N.log``: an 8-byte header, then frames (journal_records.py). The loop collects
@@ -38,6 +40,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ...deadline import format_duration
 from . import journal_records as records
+from .incarnation import describe, directory_incarnation
 from .journal_records import Image
 
 log = logging.getLogger("distlib.store.tcp.journal")
@@ -89,6 +92,8 @@ class Journal:
         self.size = 0  # its size in bytes
         self.snapshot_bytes = 0  # the last snapshot's size
         self.compactions = 0  # finished ones
+        #: Which state this is (incarnation.py): kept while the directory's state lives.
+        self.incarnation = b""
         self._fd = -1
         self._compactor: Optional[threading.Thread] = None
         os.makedirs(self.directory, exist_ok=True)
@@ -155,6 +160,7 @@ class Journal:
             path = os.path.join(self.directory, snapshot_name(base))
             self.snapshot_bytes = self._replay(path, SNAPSHOT_MAGIC, image, last=False)
         journals = [n for n in self._numbered(_JOURNAL) if n > base]
+        self.incarnation = directory_incarnation(self.directory, fresh=not snapshots and not journals)
         for i, number in enumerate(journals):
             path = os.path.join(self.directory, journal_name(number))
             size = self._replay(path, JOURNAL_MAGIC, image, last=i == len(journals) - 1)
@@ -165,8 +171,9 @@ class Journal:
             self._open(base + 1)
         else:
             self._fd = os.open(os.path.join(self.directory, journal_name(self.number)), os.O_WRONLY | os.O_APPEND)
-        log.info("replayed %d keys (%d records, %d sessions) from %s in %s", len(image.data), image.records,
-                 len(image.sessions), self.directory, format_duration(time.monotonic() - started))
+        log.info("replayed %d keys (%d records, %d sessions) from %s in %s; state incarnation %s",
+                 len(image.data), image.records, len(image.sessions), self.directory,
+                 format_duration(time.monotonic() - started), describe(self.incarnation))
         return image
 
     def _replay(self, path: str, magic: bytes, image: Image, last: bool) -> int:

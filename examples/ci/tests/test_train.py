@@ -43,16 +43,16 @@ def test_a_partition_ends_in_a_timeout_that_names_the_silent_rank(distlib_cluste
 
 def test_a_master_restarted_while_ranks_wait_in_init_fails_them_naming_it(distlib_cluster):
     """The master restarted, static half: a job without agents (ranks 0 and 1 wait in init for
-    node2, held back) has nobody to wait the master out: the master restarts (empty) once it
-    has seen both wait on the join keys, and they fail naming it. distlib's clients would
-    reconnect to the empty master and wait out their timeout (they cannot tell its keys are
-    gone); DISTLIB_STORE_RECONNECT_TIMEOUT=0 makes them fail at once instead, as a CI job
-    whose master nobody restarts with its state wants."""
+    node2, held back) has nobody to wait the master out: the master restarts (empty: no
+    keep_master_state) once it has seen both wait on the join keys. distlib's clients reconnect,
+    see that the master came back without the keys it held (a new state), and fail at once
+    naming it, well within their 60 s timeout."""
     cluster = distlib_cluster(nodes=3)
     both_wait = cues.AllOf(cues.StoreOp("*join*", op="wait", node="node0"), cues.StoreOp("*join*", op="wait", node="node1"))
-    result = cluster.run(train("--steps", "20", "--timeout", "60", DISTLIB_STORE_RECONNECT_TIMEOUT="0"),
+    result = cluster.run(train("--steps", "20", "--timeout", "60"),
                          [(both_wait, faults.RestartMaster())], held=[2], deadline=180)
-    result.assert_survivors_raised(("DistStoreError", "DistNetworkError"), naming="master:29500", victims=[2])
+    result.assert_survivors_raised("DistStoreError", naming="master:29500", within=30, victims=[2])
+    assert "came back without the keys it held" in result.ranks[0].exception_text
 
 
 def test_an_elastic_job_whose_master_restarts_with_its_state_completes_in_the_same_round(distlib_cluster):
