@@ -4,6 +4,6 @@ from .base import DEFAULT_STORE_TIMEOUT, Store
 from .file import FileStore
 from .hash import HashStore
 from .prefix import PrefixStore
-from .tcp import TCPStore
+from .tcp import StoreStateLost, TCPStore
 
-__all__ = ["Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "DEFAULT_STORE_TIMEOUT"]
+__all__ = ["Store", "HashStore", "PrefixStore", "FileStore", "TCPStore", "StoreStateLost", "DEFAULT_STORE_TIMEOUT"]

@@ -18,6 +18,7 @@ from typing import List
 import pytest
 
 from distlib.errors import DistStoreError
+from distlib.store import StoreStateLost
 from distlib.store.tcp import TCPStore
 from distlib.store_service import StoreServerProcess
 
@@ -176,7 +177,7 @@ def test_a_master_back_without_its_state_fails_its_waiting_clients_at_once(tmp_p
         took = time.monotonic() - back
         assert errors and isinstance(errors[0], DistStoreError), f"the wait ended with {errors!r}"
         text = str(errors[0])
-        assert type(errors[0]).__name__ == "StoreStateLost", text
+        assert isinstance(errors[0], StoreStateLost), text
         assert f"127.0.0.1:{port}" in text and "came back without the keys it held" in text, text
         assert "during WAIT" in text and "--state-dir" in text, text
         assert took < 30, f"the client failed {took:.1f} s after the master was back, not at once"
