@@ -65,6 +65,7 @@ _EMPTY_BLOB = U64.pack(0)
 _ZERO_I64 = I64.pack(0)
 _pack_u64 = U64.pack
 _pack_i64 = I64.pack
+_unpack_u64 = U64.unpack_from
 _BARRIER = int(Op.BARRIER)
 _UNANSWERED = frozenset({Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH})
 
@@ -144,44 +145,57 @@ class Handlers:
         session applied it already; then answer the reply it got then."""
         if pos >= end:
             return -(pos + 1)
-        op, _fields, r = decode(buf, pos, end, self.limits)
-        if r < 0:
-            return r
+        op = buf[pos]
         if op not in SEQUENCED_OPS:
+            r = decode(buf, pos, end, self.limits)[2]
+            if r < 0:  # (read whole first, so that the close is clean: nothing left unread)
+                return r
             raise ProtocolError(f"a sequence header before opcode 0x{op:02x}, which is not a sequenced write")
         if len(header) != 24:
             raise ProtocolError(f"a sequence header of {len(header)} bytes (24 expected)")
         session = header[:16]
-        (seq,) = U64.unpack_from(header, 16)
+        (seq,) = _unpack_u64(header, 16)
         state = self.state
         entry = state.sessions.get(session)
         if entry is not None and seq <= entry.seq:
-            if seq < entry.seq:
-                # a write without reply the client re-sends with those after it (it could not know
-                # that the server ran them): applied before, nothing to answer
-                if op in _UNANSWERED:
-                    return r
-                raise ProtocolError(f"write {seq} of session {session.hex()} re-sent after its write {entry.seq}")
-            if op == _BARRIER:  # counted already: wait for the rest without counting again
-                key, world_size, _ = read_key_i64(buf, pos + 1, r, self.limits)
-                if state.rejoin_barrier(conn, key, world_size):
-                    conn.out.append(_STOP)
-                return r
-            if entry.reply:
-                conn.out.append(entry.reply)  # applied before: the same answer, not again
-            return r
+            return self._repeated(conn, buf, pos, end, op, session, seq, entry.seq, entry.reply)
         out = conn.out
         mark = len(out)
         state.begin_group()
-        try:
-            self._ops[op](conn, buf, pos, r)
+        try:  # (the write's own handler: it runs nothing until the write has fully arrived)
+            r = self._ops[op](conn, buf, pos, end)
         except BaseException:
             state.end_group(None)
             raise
+        if r < 0:
+            state.end_group(None)
+            return r
         reply = out[-1] if len(out) == mark + 1 else b"".join(out[mark:])
         more = state.sessions.record(session, seq, reply)
         if more is not None:
             state.end_group(more)
+        return r
+
+    def _repeated(self, conn, buf, pos: int, end: int, op: int, session: bytes, seq: int, last: int,
+                  reply: bytes) -> int:
+        """A sequenced write its session applied already (``last`` is the session's last
+        number, ``reply`` what it answered): answered as then, not applied again."""
+        _op, _fields, r = decode(buf, pos, end, self.limits)
+        if r < 0:
+            return r
+        if seq < last:
+            # a write without reply the client re-sends with those after it (it could not know
+            # that the server ran them): applied before, nothing to answer
+            if op in _UNANSWERED:
+                return r
+            raise ProtocolError(f"write {seq} of session {session.hex()} re-sent after its write {last}")
+        if op == _BARRIER:  # counted already: wait for the rest without counting again
+            key, world_size, _ = read_key_i64(buf, pos + 1, r, self.limits)
+            if self.state.rejoin_barrier(conn, key, world_size):
+                conn.out.append(_STOP)
+            return r
+        if reply:
+            conn.out.append(reply)  # applied before: the same answer, not again
         return r
 
     def _op_get(self, conn, buf, pos: int, end: int) -> int:

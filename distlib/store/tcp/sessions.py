@@ -30,6 +30,7 @@ SESSION_IDLE_S = 2 * 3600.0
 MAX_SESSIONS = 1 << 16
 #: Bytes of stored replies kept at most (a COMPARE_SET's reply is a value).
 MAX_REPLY_BYTES = 64 << 20
+_NEVER = float("inf")
 
 
 class Sessions:
@@ -46,6 +47,7 @@ class Sessions:
         self.reply_bytes = sum(len(s.reply) for s in self.table.values())
         #: Whether ``record`` returns the journal's records (a server with a state directory).
         self.journaled = False
+        self._expires_at = _NEVER  # no session idles out before this (set by expire)
         self.expire()
 
     def __len__(self) -> int:
@@ -62,10 +64,11 @@ class Sessions:
         old = table.pop(session, None)
         if old is not None:
             self.reply_bytes -= len(old.reply)
-        table[session] = Session(seq, reply, now)
+        table[session] = Session(seq, reply, now)  # (a new entry: a snapshot's copy shares the old ones)
         self.reply_bytes += len(reply)
-        first = next(iter(table.values()))
-        if now - first.used <= self.idle_s and len(table) <= self.max_sessions and \
+        if self._expires_at == _NEVER:  # the table was empty: this one idles out first
+            self._expires_at = now + self.idle_s
+        if now <= self._expires_at and len(table) <= self.max_sessions and \
                 self.reply_bytes <= self.max_reply_bytes:  # nothing to forget (expire's test, inline)
             return [session_record(session, seq, now, reply)] if self.journaled else None
         forgotten = self.expire(now)
@@ -84,4 +87,6 @@ class Sessions:
             del table[session]
             self.reply_bytes -= len(entry.reply)
             forgotten.append(forget_record(session))
+        # No session idles out before the oldest one does: record() need not look before then.
+        self._expires_at = next(iter(table.values())).used + self.idle_s if table else _NEVER
         return forgotten
