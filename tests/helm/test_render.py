@@ -327,6 +327,8 @@ def test_master_store_server_and_probes(chart: Any) -> None:
         "29600",
         "--state-dir",
         "/var/lib/distlib/master",
+        "--sync",
+        "turn",
     ]
     ping = ["distlib", "store-server", "--ping", "127.0.0.1:29600", "--timeout", "2"]
     for probe in ("readinessProbe", "livenessProbe"):
@@ -380,7 +382,10 @@ def test_master_state_on_an_existing_claim_or_an_empty_dir(chart: Any) -> None:
     assert off.maybe("PersistentVolumeClaim", "master") is None
     assert _state_volume(off) == {"name": "state", "emptyDir": {}}
     (c,) = off.one("Deployment", "master")["spec"]["template"]["spec"]["containers"]
-    assert c["args"][-2:] == ["--state-dir", "/var/lib/distlib/master"]
+    assert c["args"][-4:] == ["--state-dir", "/var/lib/distlib/master", "--sync", "turn"]
+    (c,) = render(chart, {"master": {"persistence": {"sync": "none"}}}).one(
+        "Deployment", "master")["spec"]["template"]["spec"]["containers"]
+    assert c["args"][-2:] == ["--sync", "none"], "master.persistence.sync does not reach the server"
     for values in ({"mode": "rank0"}, {"master": {"externalEndpoint": "store.infra:29500"}, "auth": {"enabled": False}}):
         assert render(chart, values).maybe("PersistentVolumeClaim", "master") is None, values
 

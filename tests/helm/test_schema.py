@@ -142,6 +142,10 @@ RULES: dict[str, tuple[dict[str, Any], list[str]]] = {
         {"master": {"externalEndpoint": "store.infra"}},
         ["at '/master/externalEndpoint'", "does not match pattern"],
     ),
+    "master-sync": (
+        {"master": {"persistence": {"sync": "always"}}},
+        ["at '/master/persistence/sync'", "value must be one of 'turn', 'none'"],
+    ),
     "probe-timing-key": (
         {"master": {"readinessProbe": {"periodSecond": 5}}},
         ["at '/master/readinessProbe'", "additional properties 'periodSecond' not allowed"],

@@ -230,3 +230,16 @@ def test_down_deletes_the_runs_token(tmp_path, stand_ins, monkeypatch):
     monkeypatch.setattr(commands.engine, "labelled", lambda client, label: {"containers": []})
     assert commands.down(cfg) == 0
     assert not (tmp_path / "state" / "distlib-r3" / "auth").exists()
+
+
+def test_master_sync_reaches_the_master_s_command_and_a_bad_value_is_refused(tmp_path: Path) -> None:
+    """MASTER_SYNC=none gives the master `--sync none`; unset, `--sync turn`; anything else is
+    refused before anything starts, naming the two values."""
+    with pytest.raises(ToolError) as info:
+        settings_of(tmp_path, MASTER_SYNC="always")
+    assert info.value.status == 2 and "MASTER_SYNC=always: turn" in str(info.value) and "or none" in str(info.value)
+    for given, expected in (("none", "none"), ("", "turn")):
+        cfg = settings_of(tmp_path, MODE="tcp", MASTER_SYNC=given)
+        master = yaml.safe_load(rendered(cfg, "sync-check"))["services"]["master"]
+        command = master["command"]
+        assert command[command.index("--sync") + 1] == expected, (given, command)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
 from distlib import settings
+from distlib.store.tcp.journal import SYNC_MODES
 
 from distlib.command import ToolError
 from ..jobs.compose_node import DEFAULT_JOB_MODULE, job_program
@@ -35,7 +36,8 @@ OWNER_LABEL = f"{LABEL}.owner"
 #: A run id names the Compose project, the store keys and the FileStore's directory.
 RUN_ID = re.compile(r"[a-z0-9][a-z0-9-]*")
 #: Variables the Compose files interpolate, passed on from the caller's environment as they are.
-PASSED_ON = ("NFS_VERSION", "NFS_OPTIONS", "NFS_HOST_PORT", "NFS_IMAGE", "DISTLIB_LOG_LEVEL", "NCCL_DEBUG")
+PASSED_ON = ("NFS_VERSION", "NFS_OPTIONS", "NFS_HOST_PORT", "NFS_IMAGE", "DISTLIB_LOG_LEVEL", "NCCL_DEBUG",
+             "MASTER_SYNC")
 
 
 def find_root(start: Optional[Path] = None) -> Path:
@@ -110,6 +112,10 @@ class Settings:
             timeout_s = -1.0
         if not timeout_s > 0:
             raise ToolError(f"CLUSTER_TIMEOUT={timeout_text}: seconds the job may run, a positive number", 2)
+        sync = env.get("MASTER_SYNC", "").strip()
+        if sync and sync not in SYNC_MODES:  # (the master's store-server --sync)
+            raise ToolError(f"MASTER_SYNC={sync}: turn (the journal synced before each loop turn's replies, the "
+                            f"default) or none (written before them, synced by the OS) (docs/stores.md)", 2)
         run_id = env.get("RUN_ID", "").strip()
         if run_id and not RUN_ID.fullmatch(run_id):
             raise ToolError(f"RUN_ID={run_id}: lower-case letters, digits and '-' only (it names the Compose "
