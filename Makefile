@@ -23,7 +23,7 @@ help:
 	@echo "make cluster-kill NODE=2   kill worker-2 of the running cluster (SIGKILL): a lost node; NODE=master: the"
 	@echo "                           master service (Compose restarts it)"
 	@echo "make test          create .venv, install distlib with its test extras (and shellcheck when missing), lint, run the whole suite"
-	@echo "make lint          ruff over the tree and mypy over the library (pyproject.toml); make test runs it first"
+	@echo "make lint          ruff over the tree and mypy over the three packages (pyproject.toml); make test runs it first"
 	@echo "make test-examples the user's example project (examples/ci, distlib.testing) from a copy outside the tree, against a wheel of it"
 	@echo "make test-interop  install torch 2.13 once into $(INTEROP_VENV) and run the torch interoperability tests"
 	@echo "make test-gpu      on a GPU machine (cupy, NCCL, pytest; torch to compare): the GPU tests and benchmark, <= 5 min"
@@ -57,9 +57,10 @@ host-tools:
 	  fi; }
 
 # The static checks, before any test runs (pyproject.toml configures both; the versions are pinned
-# in the test extra): ruff over distlib/, deploy/, bench/, tests/ and examples/, mypy over the
-# library. 1-2 s with mypy's cache (.mypy_cache), about 35 s without it on 2 loaded cores; a
-# finding fails `make test` before any test runs.
+# in the test extra): ruff over distlib/, deploy/, bench/, tests/ and examples/, mypy over the three
+# packages (distlib/, deploy/distlib_deploy, bench/distlib_bench). Under a second with mypy's cache
+# (.mypy_cache), about 12 s without it on 2 cores at load 2.5; a finding fails `make test` before
+# any test runs.
 lint: venv
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/mypy

@@ -151,7 +151,10 @@ def child_pythonpath(inherited: str = "") -> str:
     import distlib
     import distlib_deploy
 
-    roots = [str(Path(m.__file__).resolve().parents[1]) for m in (distlib, distlib_deploy)]
+    roots = []
+    for m in (distlib, distlib_deploy):
+        assert m.__file__ is not None, f"{m.__name__} is a regular package (it has an __init__.py)"
+        roots.append(str(Path(m.__file__).resolve().parents[1]))
     roots.append(str(Path(__file__).resolve().parents[1]))
     rest = [p for p in inherited.split(os.pathsep) if p and p not in roots]
     return os.pathsep.join(dict.fromkeys(roots + rest))

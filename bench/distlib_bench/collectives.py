@@ -220,6 +220,7 @@ def _implementations(args: argparse.Namespace) -> Tuple[List[str], Dict[str, str
     why_not: Dict[str, str] = {}
     versions: Dict[str, str] = {}
     if TORCH in found:
+        assert torch_version is not None, "implementations() gives torch's version whenever it measures torch"
         versions[TORCH] = torch_version
     else:
         why_not[TORCH] = "--no-gloo" if mpi and args.no_gloo else torch_why

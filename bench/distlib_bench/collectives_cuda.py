@@ -155,7 +155,7 @@ class _Device:
 
     # -- holding the caller's stream (the per-call rows) -----------------------------------------
 
-    def _spin_cycles(self, cycles: int) -> None:
+    def _spin_cycles(self, cycles: float) -> None:
         if self.impl == TORCH:
             self.torch.cuda._sleep(int(cycles))
             return

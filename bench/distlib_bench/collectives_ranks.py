@@ -49,7 +49,10 @@ def _shm_state(impl: str) -> Optional[str]:
     try:
         from distlib.group import world
 
-        return getattr(world.default_pg.backend_for("cpu"), "shm_state", None)
+        group = world.default_pg
+        if group is None:  # no group (yet): nothing to say
+            return None
+        return getattr(group.backend_for("cpu"), "shm_state", None)
     except Exception:  # noqa: BLE001 - informative only
         return None
 

@@ -191,7 +191,8 @@ def descendants(pid: int) -> List[int]:
     return found
 
 
-def _wait(ready: Callable[[], bool], timeout: float, what: str, run) -> None:
+def _wait(ready: Callable[[], object], timeout: float, what: str, run) -> None:
+    """Until ``ready()`` is true (a non-empty list counts); RuntimeError with ``run``'s logs after ``timeout``."""
     deadline = time.monotonic() + timeout
     while not ready():
         if time.monotonic() > deadline:

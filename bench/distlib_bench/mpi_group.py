@@ -83,15 +83,15 @@ class MpiGroup:
         try:
             server.bind(path)
             server.listen(nranks)
-            self._start(path)
-            self._accept(server)
+            self.proc = self._start(path)
+            self._accept(server, self.proc)
         except BaseException:
             server.close()
             self.stop(grace=0)
             raise
         server.close()
 
-    def _start(self, path: str) -> None:
+    def _start(self, path: str) -> subprocess.Popen:
         argv = [sys.executable, "-m", "distlib_bench.mpi_ranks", "--control", path,
                 "--impls", ",".join(self.impls), "--timeout", f"{self.timeout_s:g}"]
         env = dict(os.environ)
@@ -99,16 +99,16 @@ class MpiGroup:
         env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH", ""))
         self.command = mpirun_command(self.n, argv)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+            return subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
 
-    def _accept(self, server: socket.socket) -> None:
+    def _accept(self, server: socket.socket, proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + self.timeout_s
         found: Dict[int, Channel] = {}
         pids: Dict[int, int] = {}
         while len(found) < self.n:
-            if self.proc.poll() is not None:
-                raise BenchError(f"mpirun exited with {self.proc.returncode} before its {self.n} ranks connected "
+            if proc.poll() is not None:
+                raise BenchError(f"mpirun exited with {proc.returncode} before its {self.n} ranks connected "
                                  f"({len(found)} did):\n{self.output()}")
             left = deadline - time.monotonic()
             if left <= 0:
@@ -149,6 +149,7 @@ class MpiGroup:
             try:
                 _, reply = channel.recv(self.timeout_s)
             except EOFError:
+                assert self.proc is not None, "mpirun was started in __init__"
                 status = self.proc.poll()
                 mpirun = "still running" if status is None else f"exited with {status}"
                 raise BenchError(f"{channel.peer} went away (mpirun {mpirun}):\n{self.output()}") from None

@@ -31,7 +31,8 @@ import os
 import socket
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .cases import Case, measure
 from .channel import connect
@@ -62,7 +63,8 @@ def bind_mpi4py(case: Case, comm, MPI) -> Callable[[], Any]:  # noqa: N803 - the
 def serve(channel, impls: List[str], comm, MPI, dist) -> int:  # noqa: N803
     """Answer the bench's commands until it says stop (or goes away); the number measured."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    key, case = None, None
+    key: Optional[Tuple[str, int, str]] = None
+    case: Optional[Case] = None
     measured = 0
     while True:
         try:
@@ -76,7 +78,7 @@ def serve(channel, impls: List[str], comm, MPI, dist) -> int:  # noqa: N803
         try:
             if impl not in impls:
                 raise ValueError(f"{impl} is not measured by this job (it measures {', '.join(impls)})")
-            if key != (op, count, dtype):
+            if case is None or key != (op, count, dtype):
                 key, case = None, None  # free the last size's buffers first
                 case = Case(op, count, dtype, rank, size)
                 key = (op, count, dtype)
@@ -102,11 +104,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from mpi4py import MPI  # first: MPI initialises as raw mpi4py's does (MPI_THREAD_MULTIPLE)
 
     comm = MPI.COMM_WORLD.Dup()
-    dist = None
+    dist: Optional[ModuleType] = None
     if DISTLIB in impls:
-        import distlib as dist
+        import distlib
 
-        dist.init_process_group("mpi", timeout=timedelta(seconds=args.timeout))
+        distlib.init_process_group("mpi", timeout=timedelta(seconds=args.timeout))
+        dist = distlib
     channel = connect(args.control, f"the bench (from rank {comm.Get_rank()})")
     library = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
     channel.send(("ready", comm.Get_rank(), socket.gethostname(), os.getpid(), library))

@@ -11,18 +11,24 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from distlib import command
 from .results import DISTLIB, MISS, NOT_MEASURED, PASS, TORCH, Row
+from .store_security import SecurityBench
 from .tables import Table, environment, fmt_num, fmt_seconds, fmt_speedup, fmt_value, print_block
 from .timing import PairedRatio, median
 
 
 class StoreReport:
     """The report half of StoreBench (store_measure.py): tables and lines from what the
-    sections measured. Reads ``impls``, ``rows``, ``barrier_pairs`` and ``storm_details``."""
+    sections measured. Reads ``impls``, ``rows``, ``barrier_pairs``, ``storm_details``,
+    ``transports`` and ``security_bench``."""
 
     impls: List[str]
     rows: List[Row]
     barrier_pairs: Dict[str, PairedRatio]
     storm_details: Dict[str, List[Dict[str, Any]]]
+    #: implementation -> the transport its clients used (the JSON's environment)
+    transports: Dict[str, str]
+    #: the security section's results; None when it did not run
+    security_bench: Optional[SecurityBench]
 
     def table(self) -> str:
         has_ref = TORCH in self.impls

@@ -17,7 +17,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import List
+from typing import List, Optional
 
 from distlib.store.tcp import journal_records as records
 from distlib.store.tcp.journal import Journal
@@ -59,7 +59,7 @@ def one_start(directory: str, log_path: str) -> tuple:
     return served, replay
 
 
-def main(argv: List[str] = None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--keys", default="10000,1000000", help="key counts, comma-separated")
     p.add_argument("--repeat", type=int, default=3, help="starts per key count (median)")

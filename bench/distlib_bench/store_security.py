@@ -233,9 +233,8 @@ class SecurityBench:
 
 def files_from_args(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[Dict[str, str]]:
     """The TLS files given on the command line (all three, or none)."""
-    given = [x for x in (cert, key, ca) if x]
-    if not given:
+    if not (cert or key or ca):
         return None
-    if len(given) != 3:
+    if not (cert and key and ca):
         raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
     return {"cert": cert, "key": key, "ca": ca}

@@ -49,7 +49,7 @@ def connect(timeout: float = API_TIMEOUT_S) -> Any:
         raise DockerUnavailable(f"the docker SDK is not installed ({exc}): pip install 'distlib-c10d[testing]'") \
             from None
     try:
-        client = docker.from_env(timeout=timeout)  # type: ignore[attr-defined]
+        client = docker.from_env(timeout=timeout)
         client.ping()
     except Exception as exc:  # noqa: BLE001 - DockerException, connection refused, permission denied
         where = os.environ.get("DOCKER_HOST") or "the default socket"

@@ -259,14 +259,16 @@ def submit(nodes: int) -> int:
         log(f"  | {line}")
     sbatch = subprocess.Popen(["runuser", "-u", JOB_USER, "--", "sbatch", "--parsable", "--wait", str(script)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_job_env())
-    ready, _, _ = select.select([sbatch.stdout], [], [], SUBMIT_TIMEOUT_S)  # sbatch prints the id, then waits
-    first = sbatch.stdout.readline().strip() if ready else ""
+    stdout, stderr = sbatch.stdout, sbatch.stderr
+    assert stdout is not None and stderr is not None, "stdout and stderr are PIPEs"
+    ready, _, _ = select.select([stdout], [], [], SUBMIT_TIMEOUT_S)  # sbatch prints the id, then waits
+    first = stdout.readline().strip() if ready else ""
     job_id = first.split(";", 1)[0]
     if not job_id.isdigit():
         if sbatch.poll() is None:
             sbatch.kill()
         sbatch.wait(10)
-        said = " ".join(filter(None, (first, sbatch.stderr.read().strip())))
+        said = " ".join(filter(None, (first, stderr.read().strip())))
         raise ToolError(f"sbatch did not submit the job within {SUBMIT_TIMEOUT_S} s (exit {sbatch.returncode}): "
                         f"{said or 'it said nothing'}")
     log(f"job {job_id} submitted; its output ({output.replace('%j', job_id)}):")
@@ -292,7 +294,7 @@ def submit(nodes: int) -> int:
         time.sleep(0.25)
     drain()
     status = sbatch.returncode
-    err = sbatch.stderr.read().strip()
+    err = stderr.read().strip()
     state = subprocess.run(["scontrol", "show", "job", job_id, "-o"], capture_output=True, text=True, timeout=30)
     fields = dict(item.split("=", 1) for item in state.stdout.split() if "=" in item)
     log(f"job {job_id} ended: JobState={fields.get('JobState', '?')} ExitCode={fields.get('ExitCode', '?')} "

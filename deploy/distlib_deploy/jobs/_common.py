@@ -34,6 +34,12 @@ def env_int(name: str) -> Optional[int]:
     return int(value) if value.lstrip("-").isdigit() else None
 
 
+def env_int_or(name: str, default: int) -> int:
+    """``env_int(name)``, or ``default`` where the variable is unset or not an integer."""
+    value = env_int(name)
+    return default if value is None else value
+
+
 def init_method_from_env() -> str:
     return settings.init_method() or "env://"
 
@@ -47,9 +53,9 @@ def prepare_file_url(url: str) -> Tuple[str, int, int]:
         os.makedirs(os.path.dirname(parsed.path) or "/", exist_ok=True)
     rank = world = -1
     if "rank=" not in query:
-        rank = env_int("RANK") if env_int("RANK") is not None else -1
+        rank = env_int_or("RANK", -1)
     if "world_size=" not in query:
-        world = env_int("WORLD_SIZE") if env_int("WORLD_SIZE") is not None else -1
+        world = env_int_or("WORLD_SIZE", -1)
     return url, rank, world
 
 

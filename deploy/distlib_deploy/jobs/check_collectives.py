@@ -48,8 +48,8 @@ def run(args: argparse.Namespace, phase: List[float]) -> int:
     if url.startswith("file://"):
         url, rank, world = C.prepare_file_url(url)
     elif url.startswith("tcp://") and "rank=" not in url:
-        rank = C.env_int("RANK") if C.env_int("RANK") is not None else -1
-        world = C.env_int("WORLD_SIZE") if C.env_int("WORLD_SIZE") is not None else -1
+        rank = C.env_int_or("RANK", -1)
+        world = C.env_int_or("WORLD_SIZE", -1)
     t0 = time.monotonic()
     phase[0] = t0
     dist.init_process_group(deploy_settings.job_backend(), init_method=url,

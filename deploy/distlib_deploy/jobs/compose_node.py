@@ -122,7 +122,7 @@ def resolve_all(name: str) -> List[str]:
         infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror:
         return []
-    return sorted({info[4][0] for info in infos}, key=ipaddress.ip_address)
+    return sorted({str(info[4][0]) for info in infos}, key=ipaddress.ip_address)  # (AF_INET: always a str)
 
 
 def wait_for_workers(service: str, nodes: int, timeout: float, me: Optional[str] = None) -> List[str]:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
 PREFIX = "mpi_rank:"
 #: Where each worker container keeps the records of its ranks (its own file system: `distlib
@@ -41,7 +41,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 _PR_SET_PDEATHSIG = 1
 
 
-def world_rank(env: Optional[Dict[str, str]] = None) -> Optional[int]:
+def world_rank(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """This process's rank in MPI_COMM_WORLD as the launcher set it (Open MPI, PMIx, MPICH)."""
     env = os.environ if env is None else env
     for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
@@ -56,7 +56,7 @@ _FROM_MPI = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE
              "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_WORLD_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE"}
 
 
-def torch_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def torch_env(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from MPI's variables, where not already set:
     so a user's unmodified ``init_process_group("gloo")`` (env://, with the MASTER_ADDR mpirun
     passes on) works under mpirun as under torchrun."""

@@ -47,7 +47,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -212,7 +212,7 @@ def bench_all_reduce(dist, sizes: List[int], world: int, budget_s: float, xp=np)
 # -- the report -------------------------------------------------------------------------------------
 
 
-def render_report(report: Dict[str, object]) -> str:
+def render_report(report: Dict[str, Any]) -> str:
     lines = []
     run = report["run"]
     lines.append(f"distlib train_dp report — run {run['run_id'] or '-'}: {run['world_size']} ranks on "
@@ -288,13 +288,18 @@ def resume(dist, path: Optional[str], model: "MLP", xp) -> Optional[Dict[str, in
     dist.broadcast(meta, src=0)
     if not int(meta[0]):
         return None
-    params = xp.asarray(loaded["params"]) if rank == 0 else xp.empty(model.numel(), xp.float32)
-    velocity = xp.asarray(loaded["velocity"]) if rank == 0 else xp.empty(model.numel(), xp.float32)
+    if rank == 0:
+        assert loaded is not None, "meta[0] is 1: rank 0 loaded the checkpoint"
+        params, velocity = xp.asarray(loaded["params"]), xp.asarray(loaded["velocity"])
+        written_in = int(loaded["restart_count"])
+    else:
+        params, velocity = xp.empty(model.numel(), xp.float32), xp.empty(model.numel(), xp.float32)
+        written_in = -1
     dist.broadcast(params, src=0)
     dist.broadcast(velocity, src=0)
     model.load_flat(params)
     model.load_velocity(velocity)
-    return {"next_step": int(meta[1]), "written_in_restart": int(loaded["restart_count"]) if rank == 0 else -1}
+    return {"next_step": int(meta[1]), "written_in_restart": written_in}
 
 
 def write_file(path: Optional[str], text: str) -> None:
@@ -360,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
         C.say(f"train_dp: {world} ranks joined through {C.describe_init(url)} in {init_s:.2f} s")
 
     # Who is where (rank 0 prints it): every rank's host, container name, advertised address.
-    facts: List[Optional[dict]] = [None] * world
+    facts: List[Any] = [None] * world  # all_gather_object puts each rank's dict in its slot
     dist.all_gather_object(facts, C.host_facts(rank, init_s))
     C.place(facts)
     # Each rank looks up the DNS name of the next rank's address (in Docker: the container's
@@ -480,8 +485,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run(args)
     except Exception as exc:  # noqa: BLE001 - one clear line, then the traceback
         rank = get_identity().rank
-        rank = "?" if rank is None else rank
-        C.say(f"train_dp: rank {rank} on {socket.gethostname()} FAILED: {C.error_name(exc)}: {exc}", sys.stderr)
+        C.say(f"train_dp: rank {'?' if rank is None else rank} on {socket.gethostname()} FAILED: "
+              f"{C.error_name(exc)}: {exc}", sys.stderr)
         traceback.print_exc()
         return 1
 
