@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 from ..deadline import Deadline, format_duration
 from ..errors import DistNetworkError, DistStoreError
 from ..identity import Identity
+from ..store import StoreStateLost
 
 log = logging.getLogger("distlib.join")
 
@@ -160,6 +161,8 @@ def _wait_for_everyone(store, size: int, keys: List[str], deadline: Deadline, la
             return
         except DistNetworkError:
             raise
+        except StoreStateLost as exc:  # the master came back empty: the keys are not coming
+            raise StoreStateLost(f"{label}: {exc}") from None
         except DistStoreError:
             if deadline.expired():
                 raise _timeout_error(store, size, deadline, label, arrivals) from None

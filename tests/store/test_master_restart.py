@@ -182,6 +182,10 @@ def test_a_master_back_without_its_state_fails_its_waiting_clients_at_once(tmp_p
         assert "during WAIT" in text and "--state-dir" in text, text
         assert took < 30, f"the client failed {took:.1f} s after the master was back, not at once"
         assert not said.has("reconnected to the store"), "the client said it resumed on an empty master"
+        lines = len(said.lines)
+        with pytest.raises(StoreStateLost, match=r"^GET not sent: lost the connection to the store .* during WAIT"):
+            client.get("written-before")  # a later call: at once, with no new retry and no new line
+        assert len(said.lines) == lines, said.lines[lines:]
     finally:
         logging.getLogger("distlib.store.tcp.client").removeHandler(said)
         server.stop()
@@ -219,3 +223,37 @@ def _wait_for_key(client: TCPStore, errors: List[BaseException]) -> None:
         client.wait(["never-set"])
     except BaseException as exc:  # noqa: BLE001 - the test reads what ended the wait
         errors.append(exc)
+
+
+def test_ranks_in_init_fail_at_once_naming_a_master_that_came_back_empty(tmp_path):
+    """3 of 4 ranks wait in init_process_group (timeout 60 s) on a master without --state-dir,
+    which is SIGKILLed and started again: each rank fails with StoreStateLost, its group's label
+    and the master named, once it is back, with one log line for the outage and none for a
+    second call."""
+    server = StoreServerProcess("127.0.0.1", log_path=str(tmp_path / "master.log"), env=_env()).start()
+    port = server.port
+    try:
+        ranks = [spawn("rank", port, r, tmp_path) for r in range(3)]
+        probe = checker(port)
+        until(lambda: probe.num_keys() >= 3, "3 ranks' claims")
+        probe.close()
+        server.kill()
+        server.start()
+        back = time.monotonic()
+        for r, proc in enumerate(ranks):
+            try:
+                proc.communicate(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                pytest.fail(f"rank {r} still waits {time.monotonic() - back:.0f} s after the master came back "
+                            f"empty: {stderr_of(tmp_path, 'rank', r)}")
+            text = stderr_of(tmp_path, "rank", r)
+            assert proc.returncode != 0, f"rank {r} went on with a master that lost its keys: {text}"
+            ended = text.strip().splitlines()[-1]
+            assert ended.startswith(f"distlib.store.tcp.reconnecting.StoreStateLost: pg0/gloo rank {r}: lost the "
+                                    f"connection to the store 127.0.0.1:{port} during WAIT"), text
+            assert "came back without the keys it held" in ended, text
+            said = [line for line in text.splitlines() if line.startswith("distlib.store.tcp.client:") and LOST in line]
+            assert len(said) == 1, f"rank {r} logged {len(said)} outage lines: {text}"
+    finally:
+        server.stop()

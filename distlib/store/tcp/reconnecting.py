@@ -47,7 +47,8 @@ class ReconnectingChannel(RequestChannel):
     TCPStore provides ``_host``, ``_port``, ``_security`` and ``_timeout_s``, calls
     ``_init_reconnecting`` before its first ``_connect`` and sets ``_finalizer`` after it. ``_resume`` raises
     DistNetworkError naming the server when it cannot come back within the window, and
-    StoreStateLost when the server came back as a new incarnation.
+    StoreStateLost when the server came back as a new incarnation (and at once, for every call
+    after that one: the keys are not coming back).
     """
 
     _host: str
@@ -62,6 +63,7 @@ class ReconnectingChannel(RequestChannel):
         self._session = os.urandom(16)  # numbers its writes that a retry must not apply twice
         self._seq = 0
         self._incarnation: Optional[bytes] = None  # the server's, as first seen (incarnation.py)
+        self._state_lost: Optional[str] = None  # why: once the server came back as a new state
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -119,6 +121,8 @@ class ReconnectingChannel(RequestChannel):
         if self._unacked is None:
             raise lost
         where = format_endpoint(self._host, self._port)
+        if self._state_lost is not None:  # known already: fail at once, without retrying or a new line
+            raise StoreStateLost(f"{what} not sent: {self._state_lost}") from lost
         window = self._reconnect_window()
         deadline = Deadline(window)
         log.warning("lost the connection to the store %s during %s (%s); reconnecting for at most %s",
@@ -129,7 +133,8 @@ class ReconnectingChannel(RequestChannel):
             try:
                 self._connect(deadline, quiet=True)
             except StoreStateLost as exc:
-                raise StoreStateLost(f"lost the connection to the store {where} during {what}, and {exc}") from lost
+                self._state_lost = f"lost the connection to the store {where} during {what}, and {exc}"
+                raise StoreStateLost(self._state_lost) from lost
             except DistNetworkError as exc:
                 if isinstance(exc, (NotAStoreServer, StoreRefused)):
                     raise
