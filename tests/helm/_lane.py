@@ -11,7 +11,7 @@ import tarfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +175,25 @@ class JobResult:
     condition: str
     seconds: float
     pods: dict[int, dict[str, Any]]  # completion index -> its last pod
+    every: list[dict[str, Any]] = field(default_factory=list)  # every pod of the Job, oldest first
 
     @property
     def uid(self) -> str:
         return str(self.job["metadata"]["uid"])
+
+    def history(self, kube: Any, container: str, lines: int = 40) -> str:
+        """Every pod of the Job, oldest first, with its phase and the last ``lines`` lines of
+        ``container``'s log: where a Job that restarted or failed first went wrong."""
+        out = []
+        for p in self.every:
+            try:
+                text = logs(kube, p, container)
+            except Exception as exc:  # noqa: BLE001 - a pod whose log is gone is reported, not fatal
+                text = f"(no log: {exc})"
+            tail = "\n".join(text.splitlines()[-lines:])
+            out.append(f"--- pod {p['metadata']['name']} ({p['status'].get('phase')}), the last {lines} lines "
+                       f"of {container}:\n{tail}")
+        return "\n".join(out)
 
 
 def wait_job(kube: Any, ns: str, name: str, timeout_s: float = JOB_TIMEOUT_S) -> JobResult:
@@ -196,11 +211,12 @@ def wait_job(kube: Any, ns: str, name: str, timeout_s: float = JOB_TIMEOUT_S) ->
                                   f"status {job.get('status')}; pods:\n{describe(kube, ns)}")
         time.sleep(0.5)
     by_index: dict[int, dict[str, Any]] = {}
-    for p in kube.api.items(f"/api/v1/namespaces/{ns}/pods", labelSelector=f"controller-uid={job['metadata']['uid']}"):
+    every = sorted(kube.api.items(f"/api/v1/namespaces/{ns}/pods", labelSelector=f"controller-uid={job['metadata']['uid']}"),
+                   key=lambda p: p["metadata"]["creationTimestamp"])
+    for p in every:
         i = int(p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"])
-        if i not in by_index or p["metadata"]["creationTimestamp"] >= by_index[i]["metadata"]["creationTimestamp"]:
-            by_index[i] = p
-    return JobResult(job, cond, time.monotonic() - started, by_index)
+        by_index[i] = p  # (the last one created)
+    return JobResult(job, cond, time.monotonic() - started, by_index, every)
 
 
 def logs(kube: Any, pod: dict[str, Any], container: str) -> str:

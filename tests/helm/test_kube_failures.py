@@ -138,12 +138,16 @@ def test_a_deleted_master_pod_comes_back_with_its_state_and_the_job_completes(
         for text in said:
             print("  " + [line for line in text.splitlines() if re.search(lost, line)][-1])
         print(_lane.describe(kube, ns))
+        # every worker pod's log, oldest first, and the new master's: where a run that restarted
+        # went wrong first (read now: the namespace goes with the block)
+        history = result.history(kube, "worker", 60) + "\n--- the new master:\n" + \
+            "\n".join(_lane.logs(kube, again, "store-server").splitlines()[-40:])
     assert named_s < 40
-    assert result.condition == "Complete", f"{result.condition}:\n" + "\n".join(t[-3000:] for t in finals)
-    assert result.job["status"].get("failed", 0) == 0, result.job["status"]  # no pod lost, none replaced
+    assert result.condition == "Complete", f"{result.condition}:\n{history}"
+    assert result.job["status"].get("failed", 0) == 0, f"{result.job['status']}\n{history}"  # no pod lost, none replaced
     assert "RESULT: PASS" in finals[0], finals[0][-3000:]
     for index, text in enumerate(finals):
-        assert "round 1" not in text and "node lost" not in text, f"node {index} restarted:\n{text[-3000:]}"
+        assert "round 1" not in text and "node lost" not in text, f"node {index} restarted:\n{history}"
         # one absence, or two: the old pod's server closes the connections when its SIGTERM
         # comes, and the agents may reach it once more before it is gone and the new one is in
         gone = [float(m.group(1)) for m in re.finditer(away, text, re.M)]
