@@ -38,9 +38,7 @@ from ... import auth, tls
 from ...deadline import Deadline, format_duration
 from ...errors import DistNetworkError, DistStoreError
 from ...net import same_user, unix_socket_name
-from . import codec
-from .codec import ORDERED_WAIT_PROBE_KEY, READY, U32, U64, Op, keys_request, ping, validate
-from .incarnation import INCARNATION_BYTES, INCARNATION_KEY
+from .codec import ORDERED_WAIT_PROBE_KEY, READY, U32, Op, keys_request, ping, validate
 from .connect import connect, format_endpoint, resolve
 from .security import StoreSecurity
 
@@ -80,23 +78,19 @@ class _Silent(Exception):
 
 class Opened:
     """A connection that passed every step: its socket (blocking, with a timeout), whether the
-    server runs requests in order (``ordered``), the loopback address a same-host socket
-    stands for (``local_ip``, None over TCP), and the server's incarnation when it was asked
-    for (incarnation.py; None: not asked, or not a distlib server)."""
+    server runs requests in order (``ordered``), and the loopback address a same-host socket
+    stands for (``local_ip``, None over TCP)."""
 
-    __slots__ = ("sock", "ordered", "local_ip", "tls", "incarnation")
+    __slots__ = ("sock", "ordered", "local_ip", "tls")
 
-    def __init__(self, sock, ordered: bool, local_ip: Optional[str], tls_on: bool,
-                 incarnation: Optional[bytes] = None):
+    def __init__(self, sock, ordered: bool, local_ip: Optional[str], tls_on: bool):
         self.sock, self.ordered, self.local_ip, self.tls = sock, ordered, local_ip, tls_on
-        self.incarnation = incarnation
 
 
 def open_connection(host: str, port: int, deadline: Deadline, security: StoreSecurity,
-                    quiet: bool = False, ask_incarnation: bool = False) -> Opened:
+                    quiet: bool = False) -> Opened:
     """Connect and pass every step, retrying what may succeed later until ``deadline``
-    (``quiet``: without logging the retries); ``ask_incarnation``: ask a distlib server which
-    state it serves (one more round trip; a client that reconnects checks it)."""
+    (``quiet``: without logging the retries)."""
     where = format_endpoint(host, port)
     patient = False  # after a challenge that came late: wait for it without asking
     attempts = 0
@@ -112,8 +106,7 @@ def open_connection(host: str, port: int, deadline: Deadline, security: StoreSec
             if local_ip is None and security.client_tls is not None:
                 sock = _tls_handshake(sock, host, where, deadline, security)
             ordered = _handshake(sock, where, deadline, security.token, patient)
-            incarnation = _ask_incarnation(sock, where, deadline) if ask_incarnation and ordered else None
-            return Opened(sock, ordered, local_ip, isinstance(sock, ssl.SSLSocket), incarnation)
+            return Opened(sock, ordered, local_ip, isinstance(sock, ssl.SSLSocket))
         except _Silent as exc:
             _close(sock)
             if failed is not None:  # silent for what was left of the timeout, after attempts that failed
@@ -318,18 +311,6 @@ def _handshake(sock, where: str, deadline: Deadline, token: Optional[bytes], pat
         return _authenticated_handshake(talk, token, patient, nonce, hello)
     sock.sendall(hello)
     return _check_echo(talk.recv_exact(5, "the TCPStore handshake"), nonce, where)
-
-
-def _ask_incarnation(sock, where: str, deadline: Deadline) -> bytes:
-    """The GET of INCARNATION_KEY (incarnation.py): the server's 16 bytes (empty from a distlib
-    server that has none)."""
-    sock.sendall(codec.get(INCARNATION_KEY))
-    talk = _Talk(sock, deadline, where)
-    length = U64.unpack(talk.recv_exact(8, "the question which state it serves"))[0]
-    if length > INCARNATION_BYTES:
-        raise NotAStoreServer(f"{where} answered which state it serves with {length} bytes, not at most "
-                              f"{INCARNATION_BYTES}: not a distlib store server of this version")
-    return talk.recv_exact(length, "the question which state it serves") if length else b""
 
 
 def _check_echo(reply: bytes, nonce: int, where: str) -> bool:

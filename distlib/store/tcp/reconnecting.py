@@ -11,7 +11,8 @@ server may not have run. Writes a retry must not apply twice carry a sequence he
 (sequence.py), so the server answers a repeated one without applying it again.
 
 The server it comes back to must hold the keys the job wrote: the client asked the server's
-incarnation when it first connected (incarnation.py) and compares it; a server that came
+incarnation when it first connected (incarnation.py; one round trip, busy-polled for like any
+reply: a blocking read would pay the VM's wake-up) and compares it; a server that came
 back empty (no state directory, or a new one) is a new incarnation, and the client fails at
 once naming it instead of waiting out its timeout for keys that are gone.
 """
@@ -29,11 +30,14 @@ from ...tls import TlsSocket
 from .client_channel import ConnectionLost, RequestChannel, close_socket
 from .connect import format_endpoint
 from .handshake import NotAStoreServer, StoreRefused, open_connection
-from .incarnation import describe
+from . import codec
+from .incarnation import INCARNATION_KEY, describe
 from .security import StoreSecurity
 from .sequence import sequence_header
 
 log = logging.getLogger("distlib.store.tcp.client")
+
+_ASK_INCARNATION = codec.get(INCARNATION_KEY)
 
 
 class StoreStateLost(DistStoreError):
@@ -70,21 +74,10 @@ class ReconnectingChannel(RequestChannel):
     def _connect(self, deadline: Deadline, quiet: bool = False) -> None:
         """Connect and pass every step the server and this client's settings ask for (the
         same-host socket or TCP, TLS, the token, the TCPStore handshake: handshake.py). A
-        client that will reconnect also asks a distlib server which state it serves, and
-        raises StoreStateLost when that changed since it first connected."""
+        client that will reconnect then asks a distlib server which state it serves
+        (``_check_incarnation``)."""
         reconnects = self._reconnect_window() > 0 and not self._in_process
-        opened = open_connection(self._host, self._port, deadline, self._security, quiet, ask_incarnation=reconnects)
-        if opened.incarnation:  # (b"": a distlib server older than incarnations; None: not asked)
-            if self._incarnation is not None and opened.incarnation != self._incarnation:
-                close_socket(opened.sock)
-                raise StoreStateLost(
-                    f"the store {format_endpoint(self._host, self._port)} came back without the keys it held: it "
-                    f"serves a new state (incarnation {describe(opened.incarnation)}, was "
-                    f"{describe(self._incarnation)}): it was restarted without --state-dir, or with another state "
-                    f"directory, so the keys this job wrote are gone and waiting for them would only run out the "
-                    f"timeout; restart the job, and give the master service a --state-dir on storage that outlives "
-                    f"it to ride out its restarts (docs/stores.md)")
-            self._incarnation = opened.incarnation
+        opened = open_connection(self._host, self._port, deadline, self._security, quiet)
         sock = opened.sock
         self._local_ip = opened.local_ip
         self._ordered = opened.ordered
@@ -94,8 +87,36 @@ class ReconnectingChannel(RequestChannel):
         self._attach(sock)
         # A client of a distlib server (not one on a thread of this process: that one cannot
         # come back) reconnects when its connection drops, and numbers its writes.
-        if self._unacked is None and opened.ordered and reconnects:
-            self._unacked = []
+        if opened.ordered and reconnects:
+            self._check_incarnation()
+            if self._unacked is None:
+                self._unacked = []
+
+    def _check_incarnation(self) -> None:
+        """Ask the server's incarnation (a GET of INCARNATION_KEY, through this channel: its reply
+        is busy-polled for like any other); remember the first, and raise StoreStateLost when a
+        later connection finds another (the server came back as a new state)."""
+        # (its reply says nothing of the requests sent on the connection before this one: they
+        # stay to be sent again)
+        kept, self._unacked = self._unacked, None
+        try:
+            self._send(_ASK_INCARNATION)
+            found = self._read_blob("the question which state it serves")
+        finally:
+            self._unacked = kept
+        if not found:  # (a distlib server older than incarnations: nothing to compare)
+            return
+        if self._incarnation is not None and found != self._incarnation:
+            close_socket(self._sock)
+            self._broken = "the store came back as a new state"  # (no request goes to it: _resume says why)
+            raise StoreStateLost(
+                f"the store {format_endpoint(self._host, self._port)} came back without the keys it held: it "
+                f"serves a new state (incarnation {describe(found)}, was {describe(self._incarnation)}): it "
+                f"was restarted without --state-dir, or with another state directory, so the keys this job "
+                f"wrote are gone and waiting for them would only run out the timeout; restart the job, and "
+                f"give the master service a --state-dir on storage that outlives it to ride out its restarts "
+                f"(docs/stores.md)")
+        self._incarnation = found
 
     # -- reconnecting ----------------------------------------------------------------------------
 
@@ -135,6 +156,12 @@ class ReconnectingChannel(RequestChannel):
             except StoreStateLost as exc:
                 self._state_lost = f"lost the connection to the store {where} during {what}, and {exc}"
                 raise StoreStateLost(self._state_lost) from lost
+            except ConnectionLost as again:  # dropped again before it could say which state it serves
+                if deadline.expired():
+                    raise DistNetworkError(f"lost the connection to the store {where} during {what} and could not "
+                                           f"reconnect within {format_duration(window)} (reconnect_timeout): "
+                                           f"{again}") from lost
+                continue
             except DistNetworkError as exc:
                 if isinstance(exc, (NotAStoreServer, StoreRefused)):
                     raise
