@@ -2,6 +2,8 @@
 rendezvouses through the distlib master service the harness runs, and is broken on cue like a
 distlib job. Marker ``interop``."""
 
+import re
+
 import pytest
 
 from distlib.testing import Job, cues, faults
@@ -41,5 +43,8 @@ def test_a_torch_job_is_broken_on_a_store_cue_its_ranks_give_the_master(distlib_
                            cues.StoreOp("/default_pg/*", op="wait", node="node1"))
     result = cluster.run(Job.script(JOB, env={"STEPS": "10", "GROUP_TIMEOUT": "60"}),
                          [(both_wait, faults.KillMaster())], held=[2], deadline=120)
-    result.assert_survivors_raised("DistNetworkError", naming="remote server shutdown or crash", victims=[2])
+    # torch's texts for a server that died: a closed connection, or a reset when the kill found
+    # bytes of the client's unread (CI saw both)
+    lost = re.compile(r"remote server shutdown or crash|Connection reset by peer")
+    result.assert_survivors_raised("DistNetworkError", naming=lost, victims=[2])
     assert result.ranks[0].store_ops and result.ranks[0].store_ops[-1][1] in ("wait", "get"), result.ranks[0].store_ops
