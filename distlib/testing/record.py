@@ -154,8 +154,8 @@ class Result:
     def assert_survivors_raised(self, exception: ExceptionSpec, naming: Union[None, int, str, Pattern[str]] = None,
                                 within: Optional[float] = None, victims: Iterable[int] = ()) -> "Result":
         """Every rank but ``victims`` raised ``exception`` (a class or its name, or a tuple of
-        them; a subclass counts, as ``except`` reads it) whose text matches ``naming`` (an int r: "rank r"), within ``within`` seconds of
-        the last fault."""
+        them; a subclass counts, as ``except`` reads it) whose text matches ``naming`` (an int r:
+        "rank r"), within ``within`` seconds of the last fault."""
         self.assert_no_hang()
         pattern = naming_pattern(naming)
         t0 = self.fault_time() if within is not None else 0.0

@@ -52,7 +52,7 @@ from ... import settings
 from ...deadline import Deadline, TimeoutLike, as_seconds, format_duration
 from ...errors import DistStoreError, QueueEmptyError
 from ..base import Store, ValueLike, check_key, check_keys, to_bytes
-from . import codec, sequence
+from . import codec
 from .client_channel import ConnectionLost, WaitTimedOut, close_socket
 from .codec import I64, MAX_KEY_BYTES, MAX_VALUE_BYTES, READY, STOP_WAITING, U32, U64, WORKER_COUNTER_KEY
 from .connect import describe_socket, format_endpoint
@@ -70,7 +70,6 @@ _encode_wait_then_get = codec.wait_then_get
 _encode_add = codec.add
 _encode_check = codec.check
 _encode_wait = codec.wait
-_sequence_header = sequence.sequence_header
 
 
 # -- the client --------------------------------------------------------------------------------

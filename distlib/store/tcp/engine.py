@@ -84,10 +84,10 @@ class RequestEngine:
         else:  # every change also journaled (journaled_state.py), starting from what was replayed
             self.state = JournaledState(journal, image or Image(), *state_args)  # type: ignore[arg-type]
         self.budget = MemoryBudget(memory_budget, self.state)
-        #: Which state this is (incarnation.py): the journal's, else a new one for this process.
-        self.incarnation = journal.incarnation if journal is not None else new_incarnation()
+        # Which state this is (incarnation.py): the journal's, else a new one for this process.
+        incarnation = journal.incarnation if journal is not None else new_incarnation()
         self.handlers = Handlers(self.state, limits, on_worker,  # type: ignore[arg-type]  # (its conns: ours)
-                                 self.incarnation)
+                                 incarnation)
         # One entry per opcode byte: parse the request at buf[pos:end] and run it; return the
         # offset after it, or -need when it has not fully arrived.
         self._ops = self.handlers.table()

@@ -5,12 +5,12 @@ wrote are still there. A server with a state directory comes back with them and 
 incarnation (the file ``incarnation`` in the directory, made when the directory's state is
 new); a server without one, or with a new directory, starts empty under a new incarnation.
 A reconnecting client that finds a new incarnation fails at once naming the master, instead
-of waiting out its timeout for keys that are gone (client.py).
+of waiting out its timeout for keys that are gone (reconnecting.py).
 
 On the wire (docs/wire-protocol.md): a GET of the reserved key ``INCARNATION_KEY`` answers the
-16 bytes without storing anything. A distlib client asks for it during its handshake, only of
-a distlib server (the ordered-wait capability) and only when it will reconnect; a torch
-server is never asked. An older distlib server answers an empty value: no incarnation.
+16 bytes without storing anything. A distlib client asks for it right after its handshake,
+only of a distlib server (the ordered-wait capability) and only when it will reconnect; a
+torch server is never asked. An older distlib server answers an empty value: no incarnation.
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ from typing import Optional
 from ...deadline import Deadline, format_duration
 from ...errors import DistNetworkError, DistStoreError
 from ...tls import TlsSocket
+from . import codec
 from .client_channel import ConnectionLost, RequestChannel, close_socket
 from .connect import format_endpoint
 from .handshake import NotAStoreServer, StoreRefused, open_connection
-from . import codec
 from .incarnation import INCARNATION_KEY, describe
 from .security import StoreSecurity
 from .sequence import sequence_header
@@ -49,10 +49,10 @@ class ReconnectingChannel(RequestChannel):
     """A RequestChannel that connects (``_connect``) and reconnects (``_resume``).
 
     TCPStore provides ``_host``, ``_port``, ``_security`` and ``_timeout_s``, calls
-    ``_init_reconnecting`` before its first ``_connect`` and sets ``_finalizer`` after it. ``_resume`` raises
-    DistNetworkError naming the server when it cannot come back within the window, and
-    StoreStateLost when the server came back as a new incarnation (and at once, for every call
-    after that one: the keys are not coming back).
+    ``_init_reconnecting`` before its first ``_connect`` and sets ``_finalizer`` after it.
+    ``_resume`` raises DistNetworkError naming the server when it cannot come back within the
+    window, and StoreStateLost when the server came back as a new incarnation (and at once, for
+    every call after that one: the keys are not coming back).
     """
 
     _host: str
@@ -156,15 +156,11 @@ class ReconnectingChannel(RequestChannel):
             except StoreStateLost as exc:
                 self._state_lost = f"lost the connection to the store {where} during {what}, and {exc}"
                 raise StoreStateLost(self._state_lost) from lost
-            except ConnectionLost as again:  # dropped again before it could say which state it serves
-                if deadline.expired():
-                    raise DistNetworkError(f"lost the connection to the store {where} during {what} and could not "
-                                           f"reconnect within {format_duration(window)} (reconnect_timeout): "
-                                           f"{again}") from lost
-                continue
             except DistNetworkError as exc:
                 if isinstance(exc, (NotAStoreServer, StoreRefused)):
                     raise
+                if isinstance(exc, ConnectionLost) and not deadline.expired():
+                    continue  # dropped again before it said which state it serves: the window is not over
                 raise DistNetworkError(f"lost the connection to the store {where} during {what} and could not "
                                        f"reconnect within {format_duration(window)} (reconnect_timeout): {exc}") from lost
             finally:
