@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Dict
 
+import docker
 import pytest
 import yaml
 
@@ -662,7 +663,10 @@ def test_cluster_up_mpi_names_the_worker_whose_rank_was_killed(distlib_image, do
         launcher = None
         while time.monotonic() < deadline and up.poll() is None:
             run = state.load(cluster_state) if (cluster_state / "current.json").exists() else None
-            found = engine.project_containers(docker_client, run.project, "launcher") if run else []
+            try:
+                found = engine.project_containers(docker_client, run.project, "launcher") if run else []
+            except docker.errors.NotFound:  # listed, then gone before it was read: look again
+                found = []
             if found and "train_dp: epoch 2/" in engine.logs_text(found[0]):
                 launcher = found[0]
                 break
